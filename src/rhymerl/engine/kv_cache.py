@@ -1,0 +1,36 @@
+"""A preallocated per-slot KV cache.
+
+Layout `[layers, slots, kv_heads, max_len + scratch, head_dim]`: a slot's committed tokens occupy positions
+`[0, committed)`; a step's new tokens (a prefill chunk, a decode token, or a draft tree) are written right
+after them. Draft-tree nodes land at scratch positions in tree order; `commit` then moves the accepted
+path's keys/values down to the committed positions and everything past them is simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, scratch: int = 0):
+        self.max_len = max_len  # committed tokens a slot can hold (prompt + completion)
+        self.capacity = max_len + scratch  # plus room for the draft tokens of one step
+        shape = (num_layers, num_slots, num_kv_heads, self.capacity, head_dim)
+        # empty, not zeros: positions are always written before they are read (masks guarantee it).
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def commit(self, slot: int, base: int, path: list[int]) -> None:
+        """Keep draft nodes `path` (indices into the step's tokens, increasing) as committed tokens
+        `base, base+1, ...` of `slot`, in every layer at once."""
+        if path == list(range(len(path))):
+            return  # already in place (a chain accepted from its start)
+        src = torch.tensor(path, device=self.k.device) + base
+        dst = torch.arange(base, base + len(path), device=self.k.device)
+        # The right-hand side gathers into a new tensor first, so overlapping src/dst is safe.
+        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
+        self.v[:, slot, :, dst] = self.v[:, slot, :, src]

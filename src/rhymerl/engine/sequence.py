@@ -1,0 +1,77 @@
+"""A request's state inside the engine (torch-free)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rhymerl.engine.sampling_params import SamplingParams, request_key
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What a finished request returns."""
+
+    request_id: int | str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token) under the policy (logits / temperature; greedy: temperature 1)
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "error"
+    text: str | None = None
+    error: str | None = None
+    queued_s: float = 0.0  # arrival -> admitted to a slot
+    first_token_s: float = 0.0  # arrival -> first token
+    total_s: float = 0.0  # arrival -> finished
+
+
+@dataclass
+class Sequence:
+    request_id: int | str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_cached: int = 0  # tokens whose keys/values are committed in the slot's cache
+    finish_reason: str | None = None
+    text: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float = 0.0
+    first_token: float = 0.0
+
+    def __post_init__(self):
+        self.key = request_key(self.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def uncached_ids(self) -> list[int]:
+        """Tokens the next forward must feed: the whole prompt at first, then the last sampled token."""
+        n_prompt = len(self.prompt_ids)
+        if self.num_cached < n_prompt:
+            return self.prompt_ids[self.num_cached :] + self.output_ids
+        return self.output_ids[self.num_cached - n_prompt :]
+
+    def to_output(self) -> RequestOutput:
+        now = time.perf_counter()
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            token_ids=self.output_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",
+            text=self.text,
+            queued_s=self.admitted - self.arrival,
+            first_token_s=self.first_token - self.arrival,
+            total_s=now - self.arrival,
+        )

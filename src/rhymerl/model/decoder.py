@@ -1,0 +1,186 @@
+"""A PyTorch decoder for Llama-family checkpoints (Llama/SmolLM2, Qwen2, Qwen3).
+
+One module serves both rollout and training, so rollout log-probs and training log-probs come from the
+same arithmetic. The layers work on *packed* tokens (`[N, hidden]`, no batch dimension): where a token's
+keys and values come from is decided by an attention backend passed to `forward`:
+
+- `CausalAttention` (this file): plain causal self-attention over a `[B, S]` batch, no cache, autograd
+  friendly; used for training and as the reference in tests.
+- the engine's cached backend (`rhymerl.engine.model_runner`): writes new keys/values into a slot's
+  preallocated cache and attends to the slot's committed prefix plus the token's own ancestors.
+
+Arithmetic follows transformers' Llama/Qwen2/Qwen3 modules (RMSNorm in fp32, rotate-half rope), so that
+logits match on the same weights. q/k/v and gate/up projections are fused into one matmul each: on a CPU,
+per-op overhead dominates small-batch decoding and fewer matmuls is the cheapest win.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rhymerl.model.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [N, H, D], k/v: [N, KV, D] for the N packed tokens of this forward -> [N, H, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, exactly as transformers does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim/2] inverse frequencies, with the `linear` and `llama3` scalings."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = cfg.rope_scaling.get("rope_type")
+    if kind == "linear":
+        inv_freq = inv_freq / cfg.rope_scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low ones by `factor`, blend in between.
+        s = cfg.rope_scaling
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos/sin: [N, 1, D] (already in x's dtype)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.h, self.kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, backend: AttentionBackend):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
+        q, k, v = q.view(n, self.h, self.d), k.view(n, self.kv, self.d), v.view(n, self.kv, self.d)
+        if self.q_norm is not None:  # Qwen3 normalises each head before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.attend(self.layer, q, k, v)  # [N, H, D]
+        return self.o_proj(out.reshape(n, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Token ids -> logits. `forward_packed` for the engine, `forward` for a dense `[B, S]` batch."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward_packed(
+        self,
+        tokens: torch.Tensor,  # [N] token ids of every sequence in the step, packed
+        positions: torch.Tensor,  # [N] rope position of each token
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor | None = None,  # [R] which of the N tokens need logits (None: all)
+    ) -> torch.Tensor:  # [R, vocab] (or [N, vocab])
+        x = self.embed_tokens(tokens)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, D/2], fp32 like transformers
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, backend)
+        if logit_rows is not None:
+            x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
+        return F.linear(self.norm(x), self.lm_head_weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        attention_mask: torch.Tensor | None = None,  # [B, S] 1 = real token (left or right padding)
+    ) -> torch.Tensor:  # [B, S, vocab]
+        b, s = input_ids.shape
+        if attention_mask is None:
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        else:  # positions count real tokens only, so left padding does not shift rope
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        backend = CausalAttention(b, s, attention_mask)
+        logits = self.forward_packed(input_ids.reshape(-1), positions.reshape(-1), backend)
+        return logits.view(b, s, -1)
+
+
+class CausalAttention:
+    """Dense causal self-attention over a `[B, S]` batch (no cache): training and reference."""
+
+    def __init__(self, batch: int, seqlen: int, attention_mask: torch.Tensor | None = None):
+        self.b, self.s = batch, seqlen
+        self.mask = None
+        if attention_mask is not None:
+            causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=attention_mask.device).tril()
+            keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+            # The diagonal stays visible so padded query rows do not turn into NaN (0/0 softmax).
+            self.mask = (causal & keys) | torch.eye(seqlen, dtype=torch.bool, device=keys.device)
+
+    def attend(self, layer, q, k, v):
+        b, s = self.b, self.s
+        q, k, v = (t.view(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if self.mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[3])

@@ -1,0 +1,162 @@
+"""The engine against a naive reference loop, keyed randomness, stop conditions and bad input."""
+
+import pytest
+import torch
+
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.sampler import filtered_probs, sample
+from rhymerl.engine.sampling_params import SamplingParams, keyed_uniform, request_key
+from tiny_models import VOCAB, random_prompts, tiny_decoder
+
+
+def reference_generate(model, prompt, params, request_id, eos=()):
+    """Dense recomputation of the whole sequence at every token, sampling with the same keyed rule."""
+    ids, logps = list(prompt), []
+    for j in range(params.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0, -1].float()
+        if params.greedy:
+            tok = int(logits.argmax())
+            logps.append(float(torch.log_softmax(logits, -1)[tok]))
+        else:
+            probs, cols = filtered_probs(logits[None], params)
+            cdf = probs[0].double().cumsum(0)
+            u = keyed_uniform(params.seed, request_key(request_id), j) * float(cdf[-1])
+            col = int((cdf <= u).sum())
+            tok = col if cols is None else int(cols[0, col])
+            logps.append(float(torch.log_softmax(logits / params.temperature, -1)[tok]))
+        ids.append(tok)
+        if tok in eos:
+            break
+    return ids[len(prompt):], logps
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_decoder("llama")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(temperature=1.0, max_tokens=12, seed=7),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=12, seed=3),
+])
+def test_engine_matches_reference(model, params):
+    prompts = random_prompts(5, seed=1)
+    eng = Engine(model, num_slots=2, max_model_len=64, eos_token_ids=[])
+    outs = eng.generate(prompts, params, request_ids=[f"r{i}" for i in range(5)])
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        toks, logps = reference_generate(model, p, params, f"r{i}")
+        assert o.token_ids == toks
+        assert o.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(logps), atol=1e-4, rtol=1e-4)
+
+
+def test_keyed_randomness_alone_or_in_any_batch(model):
+    """A request's tokens depend on (seed, request id, position) only: alone in one slot, or in a mixed
+    batch with other requests in another order and other slots, it samples the same tokens."""
+    prompts = random_prompts(6, seed=2)
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=11)
+    alone = [Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate([p], params, request_ids=[i])[0]
+             for i, p in enumerate(prompts)]
+    mixed = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[]).generate(
+        prompts[::-1] + random_prompts(3, seed=99), params, request_ids=[5, 4, 3, 2, 1, 0, "x", "y", "z"])
+    assert [o.token_ids for o in alone] == [o.token_ids for o in mixed[:6][::-1]]
+    # ... and a different seed or request id changes the result.
+    other = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(
+        [prompts[0]], SamplingParams(temperature=1.0, max_tokens=20, seed=12), request_ids=[0])[0]
+    assert other.token_ids != alone[0].token_ids
+
+
+def test_continuous_batching_refills_slots(model):
+    prompts = random_prompts(7, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 9, 4, 8, 2, 6, 5)]
+    eng = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[])
+    outs = eng.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [3, 9, 4, 8, 2, 6, 5]
+    # 37 tokens through 3 slots that are refilled at once: far fewer forwards than padded batches (9+8+5).
+    assert eng.stats.forward_passes < 9 + 8 + 5
+    assert eng.stats.generated_tokens == 37
+    assert eng.stats.tokens_forwarded == 37 - 7 + sum(map(len, prompts))
+    assert not eng.has_unfinished() and len(eng.scheduler.free_slots) == 3
+
+
+def test_stops_on_eos(model):
+    prompt = random_prompts(1, seed=4)[0]
+    free = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+    eos = free.token_ids[3]
+    first = free.token_ids.index(eos)
+    out = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[eos]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    ignore = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[eos]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert ignore.token_ids == free.token_ids
+
+
+class CharTokenizer:
+    """Token t decodes to chr(65 + t % 26): enough to test stop strings."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(65 + t % 26) for t in ids)
+
+
+def test_stops_on_stop_string(model):
+    prompt = random_prompts(1, seed=6)[0]
+    tok = CharTokenizer()
+    free = Engine(model, tok, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    stop = free.text[4:6]
+    out = Engine(model, tok, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop=(stop,)))[0]
+    cut = free.text.index(stop)
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:cut]
+    assert out.token_ids == free.token_ids[: cut + len(stop)]
+
+
+def test_context_limit_finishes_with_length(model):
+    out = Engine(model, num_slots=1, max_model_len=16, eos_token_ids=[]).generate(
+        [[1] * 10], SamplingParams(temperature=0, max_tokens=100))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+
+
+def test_bad_requests_are_rejected_alone(model):
+    eng = Engine(model, num_slots=2, max_model_len=32, eos_token_ids=[])
+    good = random_prompts(2, seed=5)
+    outs = eng.generate([good[0], [], [1] * 40, [VOCAB + 5], good[1]], SamplingParams(temperature=0, max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "empty prompt" in outs[1].error
+    assert "40 tokens" in outs[2].error and "max_model_len" in outs[2].error
+    assert "outside the vocabulary" in outs[3].error
+    assert all(len(outs[i].token_ids) == 4 for i in (0, 4))
+    with pytest.raises(ValueError, match="empty prompt list"):
+        eng.generate([], SamplingParams())
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_invalid_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_distribution_matches_softmax():
+    """Inverse-CDF sampling with keyed uniforms draws from the filtered softmax (chi-square check)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    n = 4000
+    toks, _ = sample(logits.expand(n, -1), params, [keyed_uniform(0, request_key(i), 0) for i in range(n)])
+    counts = torch.bincount(torch.tensor(toks), minlength=6).double()
+    probs, ids = filtered_probs(logits, params)
+    expected = torch.zeros(6, dtype=torch.float64)
+    expected[ids[0]] = probs[0].double() * n
+    kept = expected > 0
+    assert counts[~kept].sum() == 0  # top-p removed tokens are never drawn
+    chi2 = (((counts - expected)[kept]) ** 2 / expected[kept]).sum()
+    assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom

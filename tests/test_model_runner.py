@@ -1,0 +1,88 @@
+"""The cached forward modes (prefill chunk, decode, draft tree, commit) against dense recomputation."""
+
+import pytest
+import torch
+
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from tiny_models import VOCAB, random_prompts, tiny_decoder
+
+
+def make_runner(arch="llama", slots=4, max_len=64, scratch=16):
+    model = tiny_decoder(arch)
+    c = model.cfg
+    cache = KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, torch.float32, "cpu", scratch)
+    return model, ModelRunner(model, cache)
+
+
+def dense_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_mixed_prefill_and_decode_in_one_forward(arch):
+    model, runner = make_runner(arch)
+    a, b, c = random_prompts(3, seed=5)
+    runner.run([SlotInput(0, 0, a[:-1]), SlotInput(2, 0, b[:-1])])  # slots 0 and 2 hold a, b minus one
+    # One step: slot 0 and 2 decode one token each, slot 1 prefills c in full.
+    logits = runner.run([SlotInput(0, len(a) - 1, a[-1:]), SlotInput(1, 0, c), SlotInput(2, len(b) - 1, b[-1:])])
+    assert logits.shape == (2 + len(c), VOCAB)
+    torch.testing.assert_close(logits[0], dense_logits(model, a)[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1 : 1 + len(c)], dense_logits(model, c), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[-1], dense_logits(model, b)[-1], atol=1e-5, rtol=1e-5)
+
+
+# A draft tree hanging from the last real token x (index 0):
+#        0(x)
+#       /    \
+#      1      2
+#     / \      \
+#    3   4      5
+#    |
+#    6
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+PATHS = [[0, 1, 3, 6], [0, 1, 4], [0, 2, 5]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_draft_tree_matches_each_path_run_alone(arch):
+    model, runner = make_runner(arch)
+    prompt = random_prompts(1, lo=6, hi=6, seed=7)[0]
+    tree = [11, 22, 33, 44, 55, 66, 77]
+    runner.run([SlotInput(1, 0, prompt[:-1])])
+    tree[0] = prompt[-1]
+    other = random_prompts(1, seed=8)[0]  # a decode row in the same step must not disturb the tree
+    runner.run([SlotInput(3, 0, other[:-1])])
+    logits = runner.run([SlotInput(1, len(prompt) - 1, tree, PARENTS), SlotInput(3, len(other) - 1, other[-1:])])
+    for path in PATHS:
+        ref = dense_logits(model, prompt[:-1] + [tree[i] for i in path])[len(prompt) - 1 :]
+        torch.testing.assert_close(logits[path], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[-1], dense_logits(model, other)[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_commit_keeps_the_chosen_path():
+    model, runner = make_runner()
+    prompt = random_prompts(1, lo=5, hi=5, seed=9)[0]
+    tree = [prompt[-1], 21, 31, 41, 51, 61, 71]
+    base = len(prompt) - 1
+    runner.run([SlotInput(0, 0, prompt[:-1])])
+    runner.run([SlotInput(0, base, tree, PARENTS)])
+    path = [0, 2, 5]
+    runner.cache.commit(0, base, path)
+    accepted = prompt[:-1] + [tree[i] for i in path]
+    nxt = 9  # continue decoding after the committed path: must equal a plain run of the same tokens
+    logits = runner.run([SlotInput(0, len(accepted), [nxt])])
+    torch.testing.assert_close(logits[0], dense_logits(model, accepted + [nxt])[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_from_and_bad_tree():
+    model, runner = make_runner()
+    prompt = random_prompts(1, lo=8, hi=8, seed=10)[0]
+    logits = runner.run([SlotInput(0, 0, prompt, logits_from=len(prompt) - 1)])
+    assert logits.shape == (1, VOCAB)
+    torch.testing.assert_close(logits[0], dense_logits(model, prompt)[-1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="topological"):
+        runner.run([SlotInput(1, 0, [1, 2, 3], [-1, 2, 0])])
+    with pytest.raises(ValueError, match="capacity"):
+        runner.run([SlotInput(2, 70, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
