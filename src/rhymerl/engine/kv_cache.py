@@ -1,6 +1,7 @@
 """A preallocated per-slot KV cache.
 
-Layout `[layers, slots, kv_heads, max_len + scratch, head_dim]`: a slot's committed tokens occupy positions
+Layout `[layers, slots, 2 * kv_heads, max_len + scratch, head_dim]` (keys in the first kv_heads rows,
+values in the rest, so one write per layer stores both): a slot's committed tokens occupy positions
 `[0, committed)`; a step's new tokens (a prefill chunk, a decode token, or a draft tree) are written right
 after them. Draft-tree nodes land at scratch positions in tree order; `commit` then moves the accepted
 path's keys/values down to the committed positions and everything past them is simply overwritten later.
@@ -16,21 +17,20 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str, scratch: int = 0):
         self.max_len = max_len  # committed tokens a slot can hold (prompt + completion)
         self.capacity = max_len + scratch  # plus room for the draft tokens of one step
-        shape = (num_layers, num_slots, num_kv_heads, self.capacity, head_dim)
+        self.num_kv_heads = num_kv_heads
         # empty, not zeros: positions are always written before they are read (masks guarantee it).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.kv = torch.empty((num_layers, num_slots, 2 * num_kv_heads, self.capacity, head_dim), dtype=dtype,
+                              device=device)
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
     def commit(self, slot: int, base: int, path: list[int]) -> None:
         """Keep draft nodes `path` (indices into the step's tokens, increasing) as committed tokens
         `base, base+1, ...` of `slot`, in every layer at once."""
         if path == list(range(len(path))):
             return  # already in place (a chain accepted from its start)
-        src = torch.tensor(path, device=self.k.device) + base
-        dst = torch.arange(base, base + len(path), device=self.k.device)
+        src = torch.tensor(path, device=self.kv.device) + base
+        dst = torch.arange(base, base + len(path), device=self.kv.device)
         # The right-hand side gathers into a new tensor first, so overlapping src/dst is safe.
-        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
-        self.v[:, slot, :, dst] = self.v[:, slot, :, src]
+        self.kv[:, slot, :, dst] = self.kv[:, slot, :, src]

@@ -47,7 +47,7 @@ class _Group:
     """Slots that share one attention call: all single-token slots, or all multi-token slots (so a long
     prefill does not pad every decode row to its length)."""
 
-    def __init__(self, inputs: list[SlotInput], token_offsets: list[int], device):
+    def __init__(self, inputs: list[SlotInput], token_offsets: list[int], dtype, device):
         self.n = len(inputs)
         ns = [len(x.tokens) for x in inputs]
         self.t = max(ns)
@@ -61,7 +61,7 @@ class _Group:
         self.dense_index = None
         if self.t == 1:
             bases = torch.tensor([x.base for x in inputs], device=device)
-            self.mask = (torch.arange(self.l, device=device)[None, :] <= bases[:, None])[:, None, None, :]
+            mask = (torch.arange(self.l, device=device)[None, :] <= bases[:, None])[:, None, None, :]
         else:
             mask = np.zeros((self.n, self.t, self.l), dtype=bool)
             mask[:, :, 0] = True  # padded query rows see one key, so their softmax is not 0/0
@@ -70,15 +70,18 @@ class _Group:
                 anc, _ = _ancestors(x.parents, n)
                 mask[r, :n, : x.base] = True
                 mask[r, :n, x.base : x.base + n] = anc
-            self.mask = torch.from_numpy(mask).to(device)[:, None]
+            mask = torch.from_numpy(mask).to(device)[:, None]
             dense = np.concatenate([r * self.t + np.arange(n) for r, n in enumerate(ns)])
             self.dense_index = torch.from_numpy(dense).to(device)
+        # Additive form, built once per step: SDPA would otherwise convert a bool mask in every layer.
+        self.mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
 
 
 class CachedAttention:
     """The attention backend for the engine: write new keys/values, attend over the slot caches."""
 
     def __init__(self, cache: KVCache, inputs: list[SlotInput], device):
+        dtype = cache.kv.dtype
         self.cache = cache
         slot_of, write_pos = [], []
         offsets, off = [], 0
@@ -92,17 +95,16 @@ class CachedAttention:
         self.write_pos = torch.tensor(write_pos, device=device)
         single = [i for i, x in enumerate(inputs) if len(x.tokens) == 1]
         multi = [i for i, x in enumerate(inputs) if len(x.tokens) > 1]
-        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], device) for g in (single, multi) if g]
+        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], dtype, device) for g in (single, multi) if g]
         self.one_group = len(self.groups) == 1 and self.groups[0].t == 1
 
-    def attend(self, layer, q, k, v):
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.slot_of, :, self.write_pos] = k
-        cv[self.slot_of, :, self.write_pos] = v
+    def attend(self, layer, q, kv):
+        cache = self.cache.kv[layer]  # [slots, 2KV, capacity, D]
+        cache[self.slot_of, :, self.write_pos] = kv
         h, d = q.shape[1], q.shape[2]
         if self.one_group:  # pure decode: tokens are already in row order, no scatter needed
             g = self.groups[0]
-            out = self._sdpa(q.view(g.n, 1, h, d).transpose(1, 2), ck, cv, g)
+            out = self._sdpa(q.view(g.n, 1, h, d).transpose(1, 2), cache, g)
             return out.transpose(1, 2).reshape(g.n, h, d)
         out = torch.empty_like(q)
         for g in self.groups:
@@ -111,21 +113,23 @@ class CachedAttention:
                 dense = q.new_zeros(g.n * g.t, h, d)
                 dense[g.dense_index] = qg
                 qg = dense
-            o = self._sdpa(qg.view(g.n, g.t, h, d).transpose(1, 2), ck, cv, g)
+            o = self._sdpa(qg.view(g.n, g.t, h, d).transpose(1, 2), cache, g)
             o = o.transpose(1, 2).reshape(g.n * g.t, h, d)
             out[g.token_index] = o if g.dense_index is None else o[g.dense_index]
         return out
 
-    @staticmethod
-    def _sdpa(q, ck, cv, g: _Group):
-        kk, vv = ck[g.rows, :, : g.l], cv[g.rows, :, : g.l]  # [B, KV, L, D]
-        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=g.mask, enable_gqa=q.shape[1] != kk.shape[1])
+    def _sdpa(self, q, cache, g: _Group):
+        n_kv = self.cache.num_kv_heads
+        rows = cache[g.rows, :, : g.l]  # [B, 2KV, L, D]
+        k, v = rows[:, :n_kv], rows[:, n_kv:]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, enable_gqa=q.shape[1] != n_kv)
 
 
 class ModelRunner:
     def __init__(self, model: Decoder, cache: KVCache):
         self.model = model
         self.cache = cache
+        self.packed = model.enable_packing()  # prepacked bf16 weights on CPU: ~2x faster matmuls
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()

@@ -27,9 +27,42 @@ from rhymerl.model.config import ModelConfig
 
 
 class AttentionBackend(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [N, H, D], k/v: [N, KV, D] for the N packed tokens of this forward -> [N, H, D]."""
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q: [N, H, D] and kv: [N, 2*KV, D] (keys then values) for the N packed tokens -> [N, H, D]."""
         ...
+
+
+def cpu_packing_supported(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked bf16 matmul: CPU only, and only where the CPU has bf16 instructions."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, for inference on a CPU in bf16, can use a copy of its weight prepacked into oneDNN's
+    blocked layout: the same product (bit-identical in our tests) at about half the cost, because the
+    per-call repacking of the weight disappears. Training (grad enabled) always uses the plain weight.
+
+    The packed copy remembers which version of the weight it was made from and is remade on first use
+    after the weight changed (an optimizer step, a weight sync), so it can never be stale.
+    """
+
+    packed: torch.Tensor | None = None
+    _packed_from: tuple = ()
+
+    def enable_packing(self) -> bool:
+        self._packed_from = ()
+        self.packed = torch.empty(0) if cpu_packing_supported(self.weight) else None
+        return self.packed is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._packed_from:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self._packed_from = key
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +72,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, exactly as transformers does.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # One fused op (fp32 accumulation inside). transformers rounds to the input dtype before the
+        # weight; in bf16 that differs by one rounding step, in fp32 not at all.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -75,27 +109,29 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.h, self.kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kv) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.kv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, backend: AttentionBackend):
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
-        q, k, v = q.view(n, self.h, self.d), k.view(n, self.kv, self.d), v.view(n, self.kv, self.d)
-        if self.q_norm is not None:  # Qwen3 normalises each head before rope
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.attend(self.layer, q, k, v)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.h * self.d))
+        n, h, kv = x.shape[0], self.h, self.kv
+        qkv = self.qkv_proj(x).view(n, h + 2 * kv, self.d)  # heads: h queries, kv keys, kv values
+        if self.q_norm is not None:  # Qwen3 normalises each head of q and k before rope
+            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kv])), dim=1)
+        else:
+            qk = qkv[:, : h + kv]
+        qk = apply_rope(qk, cos, sin)  # queries and keys in one go: half the small ops
+        q, kv_new = qk[:, :h], torch.cat((qk[:, h:], qkv[:, h + kv :]), dim=1)  # [N, H, D], [N, 2KV, D]
+        out = backend.attend(self.layer, q, kv_new)  # [N, H, D]
+        return self.o_proj(out.reshape(n, h * self.d))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -124,12 +160,19 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def tie_weights(self) -> None:
+        """With tied embeddings the lm_head shares the embedding's Parameter (call again after the
+        embedding Parameter is replaced, e.g. by load_state_dict(assign=True))."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def enable_packing(self) -> bool:
+        """Use prepacked weights for inference where the hardware supports it (see `Linear`)."""
+        return all([m.enable_packing() for m in self.modules() if isinstance(m, Linear)])
 
     def forward_packed(
         self,
@@ -146,7 +189,7 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, backend)
         if logit_rows is not None:
             x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
-        return F.linear(self.norm(x), self.lm_head_weight)
+        return self.lm_head(self.norm(x))
 
     def forward(
         self,
@@ -175,9 +218,10 @@ class CausalAttention:
             # The diagonal stays visible so padded query rows do not turn into NaN (0/0 softmax).
             self.mask = (causal & keys) | torch.eye(seqlen, dtype=torch.bool, device=keys.device)
 
-    def attend(self, layer, q, k, v):
-        b, s = self.b, self.s
-        q, k, v = (t.view(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+    def attend(self, layer, q, kv):
+        b, s, n_kv = self.b, self.s, kv.shape[1] // 2
+        k, v = kv[:, :n_kv], kv[:, n_kv:]
+        q, k, v = (t.reshape(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

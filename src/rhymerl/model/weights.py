@@ -66,7 +66,10 @@ def load_decoder(model_dir: str | Path, dtype: torch.dtype = torch.float32, devi
         if t.shape != param.shape:
             raise ValueError(f"{model_dir}: {parts} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
         state[name] = t.to(dtype)
-    model.load_state_dict(state, assign=True, strict=True)
+    # strict=False only because a tied lm_head.weight is not a separate tensor; every parameter was
+    # checked above.
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()
     # The module was built on the meta device (no memory spent on random init); the non-persistent
     # rope buffer is not in the checkpoint, so compute it for real here.
     model.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -1,0 +1,139 @@
+"""The `rhymerl` command: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rhymerl.bench import engine_bench
+from rhymerl.engine.engine import Engine, StepEvent
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+
+
+def read_prompt_file(path: Path) -> list:
+    """JSONL rows with a `prompt` field: a string, or a list of chat messages ({role, content})."""
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{lineno}: not valid JSON ({e.msg})")
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt))
+        if not ok:
+            raise SystemExit(f"{path}:{lineno}: field 'prompt' must be a string or a list of "
+                             f"{{role, content}} messages, got {type(prompt).__name__}")
+        prompts.append(prompt)
+    return prompts
+
+
+def encode(tokenizer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, list):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return chat_prompt_ids(tokenizer, prompt) if chat else tokenizer.encode(prompt)
+
+
+def cmd_generate(args) -> int:
+    prompts = list(args.prompts) + (read_prompt_file(Path(args.file)) if args.file else [])
+    if not prompts:
+        raise SystemExit("rhymerl generate: no prompts (give them as arguments or with --file FILE.jsonl)")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed)
+    model, tokenizer, model_dir = load_pretrained(args.model, args.dtype, args.device)
+    engine = Engine(model, tokenizer, num_slots=args.num_slots, max_model_len=args.max_model_len)
+    ids = [encode(tokenizer, p, not args.no_chat_template) for p in prompts]
+    shown: dict = {}
+
+    def stream(ev: StepEvent) -> None:  # print each request's new text as it arrives
+        if len(prompts) == 1:
+            done = shown.get(ev.request_id, [])
+            done += ev.new_token_ids
+            text = tokenizer.decode(done, skip_special_tokens=True)
+            sys.stdout.write(text[len(tokenizer.decode(done[: -len(ev.new_token_ids)], skip_special_tokens=True)):])
+            sys.stdout.flush()
+            shown[ev.request_id] = done
+        elif ev.output is not None:
+            print(f"[{ev.request_id}] {ev.output.text if ev.output.error is None else 'ERROR: ' + ev.output.error}", flush=True)
+
+    outs = engine.generate(ids, params, request_ids=list(range(len(ids))), progress=not args.stream and len(ids) > 1,
+                           on_event=stream if args.stream else None)
+    for i, o in enumerate(outs):
+        if args.json:
+            print(json.dumps({"prompt": prompts[i], "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, "error": o.error}))
+        elif not args.stream:
+            print(f"--- [{i}] {o.finish_reason}, {len(o.token_ids)} tokens")
+            print(o.text if o.error is None else f"ERROR: {o.error}")
+        elif o.error is not None and len(prompts) == 1:
+            print(f"ERROR: {o.error}")
+    s = engine.stats
+    print(f"\n[{model_dir.name}] {s.generated_tokens} tokens in {s.busy_s:.2f} s "
+          f"({s.generated_tokens / max(s.busy_s, 1e-9):.1f} tok/s, {s.forward_passes} forwards)", file=sys.stderr)
+    return 1 if all(o.error for o in outs) else 0
+
+
+def cmd_bench_engine(args) -> int:
+    summary = engine_bench.run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.num_prompts,
+                               args.max_tokens, args.temperature, args.top_p, args.seed, args.skip_hf)
+    engine_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rhymerl", description="RL for LLMs with history-accelerated rollouts")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="sample completions from a model")
+    g.add_argument("prompts", nargs="*", help="prompt texts (the chat template is applied)")
+    g.add_argument("--file", help="JSONL file with a 'prompt' field per row (text or chat messages)")
+    g.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    g.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-slots", type=int, default=32, help="sequences decoded together")
+    g.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per slot")
+    g.add_argument("--no-chat-template", action="store_true")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--json", action="store_true", help="one JSON object per result")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (table, then a JSON line)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="our engine vs transformers generate")
+    be.add_argument("--model", default="smollm2-135m")
+    be.add_argument("--dtype", default="bf16")
+    be.add_argument("--batches", default="1,8,32")
+    be.add_argument("--num-prompts", type=int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
+    be.add_argument("--max-tokens", type=int, default=256)
+    be.add_argument("--temperature", type=float, default=1.0)
+    be.add_argument("--top-p", type=float, default=1.0)
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--skip-hf", action="store_true", help="only our engine")
+    be.set_defaults(func=cmd_bench_engine)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad model name, bad sampling value, ...: one clear line, no traceback
+        print(f"rhymerl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in tasks: prompts generated from a seed, with answers a verifier can check."""
