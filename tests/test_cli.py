@@ -1,0 +1,42 @@
+"""The command line: input errors name file, line and field; generate runs on the real model."""
+
+import json
+
+import pytest
+
+from rhymerl.cli import main, read_prompt_file
+
+
+def test_prompt_file_errors_name_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n\n{"prompt": 3}\n')
+    with pytest.raises(SystemExit, match=r"p.jsonl:3: field 'prompt'"):
+        read_prompt_file(f)
+    f.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(SystemExit, match=r"p.jsonl:2: not valid JSON"):
+        read_prompt_file(f)
+    f.write_text('{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}]}\n')
+    assert read_prompt_file(f) == ["a", [{"role": "user", "content": "b"}]]
+
+
+def test_unknown_model_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("RHYMERL_CACHE", str(tmp_path))
+    assert main(["generate", "--model", "no-such-model", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "built-in" in err
+
+
+def test_invalid_sampling_value_is_a_clear_error(capsys):
+    assert main(["generate", "--top-p", "1.5", "hi"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_generate_on_the_real_model(smollm2_dir, capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Say hello."}) + "\n" +
+                 json.dumps({"prompt": [{"role": "user", "content": "Count to three."}]}) + "\n")
+    assert main(["generate", "--file", str(f), "--max-tokens", "6", "--temperature", "0", "--json",
+                 "--dtype", "fp32"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    assert all(r["finish_reason"] in ("stop", "length") and 1 <= len(r["token_ids"]) <= 6 for r in rows)
