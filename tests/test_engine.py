@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rhymerl.engine.engine import Engine
-from rhymerl.engine.sampler import filtered_probs, sample
+from rhymerl.engine.sampler import filtered_probs, inverse_cdf, sample
 from rhymerl.engine.sampling_params import SamplingParams, keyed_uniform, request_key
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
@@ -19,7 +19,7 @@ def reference_generate(model, prompt, params, request_id, eos=()):
             tok = int(logits.argmax())
             logps.append(float(torch.log_softmax(logits, -1)[tok]))
         else:
-            probs, cols = filtered_probs(logits[None], params)
+            probs, cols = filtered_probs(torch.log_softmax(logits[None] / params.temperature, -1), params)
             cdf = probs[0].double().cumsum(0)
             u = keyed_uniform(params.seed, request_key(request_id), j) * float(cdf[-1])
             col = int((cdf <= u).sum())
@@ -153,10 +153,23 @@ def test_sampling_distribution_matches_softmax():
     n = 4000
     toks, _ = sample(logits.expand(n, -1), params, [keyed_uniform(0, request_key(i), 0) for i in range(n)])
     counts = torch.bincount(torch.tensor(toks), minlength=6).double()
-    probs, ids = filtered_probs(logits, params)
+    probs, ids = filtered_probs(torch.log_softmax(logits / params.temperature, -1), params)
     expected = torch.zeros(6, dtype=torch.float64)
     expected[ids[0]] = probs[0].double() * n
     kept = expected > 0
     assert counts[~kept].sum() == 0  # top-p removed tokens are never drawn
     chi2 = (((counts - expected)[kept]) ** 2 / expected[kept]).sum()
     assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom
+
+
+def test_two_level_inverse_cdf_equals_one_level():
+    g = torch.Generator().manual_seed(0)
+    v = 1000  # not a multiple of the block size
+    probs = torch.rand(64, v, generator=g) * (torch.rand(64, v, generator=g) < 0.3)  # many zeros
+    probs[:, -5:] = 0.0
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    expected = (cdf <= (u[:, None] * cdf[:, -1:])).sum(-1, keepdim=True)  # first column with cdf > u*total
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, expected)
+    assert (probs.gather(-1, got) > 0).all()

@@ -86,3 +86,22 @@ def test_logits_from_and_bad_tree():
         runner.run([SlotInput(1, 0, [1, 2, 3], [-1, 2, 0])])
     with pytest.raises(ValueError, match="capacity"):
         runner.run([SlotInput(2, 70, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
+
+
+def test_stale_cache_contents_never_leak():
+    """Whatever earlier sequences left in the cache (here: large garbage) is invisible: only the slot's
+    committed prefix and the step's own tokens are attended to, idle slots inside the attended range
+    included (they are padding rows)."""
+    model, runner = make_runner(slots=6)
+    runner.cache.kv.normal_(0, 1e3)
+    a, b, c = random_prompts(3, seed=11)
+    runner.run([SlotInput(0, 0, a[:-1]), SlotInput(3, 0, b[:-1]), SlotInput(5, 0, c[:-1])])
+    # Slots 1, 2 and 4 are idle padding rows inside the range [0, 6) of this decode step.
+    logits = runner.run([SlotInput(0, len(a) - 1, a[-1:]), SlotInput(3, len(b) - 1, b[-1:]),
+                         SlotInput(5, len(c) - 1, c[-1:])])
+    for row, p in zip(logits, (a, b, c)):
+        torch.testing.assert_close(row, dense_logits(model, p)[-1], atol=1e-5, rtol=1e-5)
+    # Sparse slots (0 and 5 only): their rows are gathered instead.
+    logits = runner.run([SlotInput(0, len(a), [7]), SlotInput(5, len(c), [9])])
+    torch.testing.assert_close(logits[0], dense_logits(model, a + [7])[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], dense_logits(model, c + [9])[-1], atol=1e-5, rtol=1e-5)

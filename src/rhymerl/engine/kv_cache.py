@@ -18,8 +18,9 @@ class KVCache:
         self.max_len = max_len  # committed tokens a slot can hold (prompt + completion)
         self.capacity = max_len + scratch  # plus room for the draft tokens of one step
         self.num_kv_heads = num_kv_heads
-        # empty, not zeros: positions are always written before they are read (masks guarantee it).
-        self.kv = torch.empty((num_layers, num_slots, 2 * num_kv_heads, self.capacity, head_dim), dtype=dtype,
+        # zeros, not empty: attention reads masked positions too, and a NaN left in uninitialised memory
+        # survives a -inf mask (NaN + -inf = NaN). Stale keys/values of earlier sequences are finite.
+        self.kv = torch.zeros((num_layers, num_slots, 2 * num_kv_heads, self.capacity, head_dim), dtype=dtype,
                               device=device)
 
     def nbytes(self) -> int:

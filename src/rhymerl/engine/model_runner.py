@@ -45,36 +45,49 @@ def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray, np.ndarra
 
 class _Group:
     """Slots that share one attention call: all single-token slots, or all multi-token slots (so a long
-    prefill does not pad every decode row to its length)."""
+    prefill does not pad every decode row to its length).
+
+    Attention reads the cache rows of the slot range [lo, hi) in place (a view); idle slots inside the
+    range are padding rows. Only when the group's slots are sparse in their range (the end of a rollout)
+    are their rows gathered, which copies their keys/values in every layer.
+    """
 
     def __init__(self, inputs: list[SlotInput], token_offsets: list[int], dtype, device):
-        self.n = len(inputs)
+        order = sorted(range(len(inputs)), key=lambda i: inputs[i].slot)
+        inputs, token_offsets = [inputs[i] for i in order], [token_offsets[i] for i in order]
         ns = [len(x.tokens) for x in inputs]
+        slots = [x.slot for x in inputs]
         self.t = max(ns)
         self.l = max(x.base + len(x.tokens) for x in inputs)
-        slots = [x.slot for x in inputs]
-        lo = slots[0]
-        self.rows = slice(lo, lo + self.n) if slots == list(range(lo, lo + self.n)) else torch.tensor(slots, device=device)
-        # Packed token index of (row r, query t); padded queries are dropped on the way back.
-        idx = np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])
-        self.token_index = torch.from_numpy(idx).to(device)
-        self.dense_index = None
-        if self.t == 1:
-            bases = torch.tensor([x.base for x in inputs], device=device)
-            mask = (torch.arange(self.l, device=device)[None, :] <= bases[:, None])[:, None, None, :]
+        lo, hi = slots[0], slots[-1] + 1
+        if hi - lo <= 2 * len(slots):
+            self.rows, row_of, self.b = slice(lo, hi), [s - lo for s in slots], hi - lo
         else:
-            mask = np.zeros((self.n, self.t, self.l), dtype=bool)
-            mask[:, :, 0] = True  # padded query rows see one key, so their softmax is not 0/0
-            for r, x in enumerate(inputs):
+            self.rows, row_of, self.b = torch.tensor(slots, device=device), list(range(len(slots))), len(slots)
+        # Packed index of each of the group's tokens, and (unless tokens are already one per row, in row
+        # order) the position of each in the dense [b * t] query layout.
+        self.token_index = torch.from_numpy(
+            np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])).to(device)
+        self.dense_index = None
+        if not (self.t == 1 and self.b == len(slots)):
+            dense = np.concatenate([r * self.t + np.arange(n) for r, n in zip(row_of, ns)])
+            self.dense_index = torch.from_numpy(dense).to(device)
+        # mask[row, query, key]; padding rows and padded queries see key 0 only, so no softmax is 0/0.
+        if self.t == 1:
+            bases = np.zeros(self.b, dtype=np.int64)
+            bases[row_of] = [x.base for x in inputs]
+            mask = torch.arange(self.l)[None, None, :] <= torch.from_numpy(bases)[:, None, None]
+        else:
+            m = np.zeros((self.b, self.t, self.l), dtype=bool)
+            m[:, :, 0] = True
+            for r, x in zip(row_of, inputs):
                 n = len(x.tokens)
                 anc, _ = _ancestors(x.parents, n)
-                mask[r, :n, : x.base] = True
-                mask[r, :n, x.base : x.base + n] = anc
-            mask = torch.from_numpy(mask).to(device)[:, None]
-            dense = np.concatenate([r * self.t + np.arange(n) for r, n in enumerate(ns)])
-            self.dense_index = torch.from_numpy(dense).to(device)
+                m[r, :n, : x.base] = True
+                m[r, :n, x.base : x.base + n] = anc
+            mask = torch.from_numpy(m)
         # Additive form, built once per step: SDPA would otherwise convert a bool mask in every layer.
-        self.mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+        self.mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))[:, None].to(device)
 
 
 class CachedAttention:
@@ -96,25 +109,26 @@ class CachedAttention:
         single = [i for i, x in enumerate(inputs) if len(x.tokens) == 1]
         multi = [i for i, x in enumerate(inputs) if len(x.tokens) > 1]
         self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], dtype, device) for g in (single, multi) if g]
-        self.one_group = len(self.groups) == 1 and self.groups[0].t == 1
+        # Pure decode over contiguous slots: tokens are the query rows in order, no scatter at all.
+        self.direct = len(self.groups) == 1 and self.groups[0].dense_index is None
 
     def attend(self, layer, q, kv):
         cache = self.cache.kv[layer]  # [slots, 2KV, capacity, D]
         cache[self.slot_of, :, self.write_pos] = kv
         h, d = q.shape[1], q.shape[2]
-        if self.one_group:  # pure decode: tokens are already in row order, no scatter needed
+        if self.direct:
             g = self.groups[0]
-            out = self._sdpa(q.view(g.n, 1, h, d).transpose(1, 2), cache, g)
-            return out.transpose(1, 2).reshape(g.n, h, d)
+            out = self._sdpa(q.view(g.b, 1, h, d).transpose(1, 2), cache, g)
+            return out.transpose(1, 2).reshape(g.b, h, d)
         out = torch.empty_like(q)
         for g in self.groups:
             qg = q[g.token_index]
             if g.dense_index is not None:
-                dense = q.new_zeros(g.n * g.t, h, d)
+                dense = q.new_zeros(g.b * g.t, h, d)
                 dense[g.dense_index] = qg
                 qg = dense
-            o = self._sdpa(qg.view(g.n, g.t, h, d).transpose(1, 2), cache, g)
-            o = o.transpose(1, 2).reshape(g.n * g.t, h, d)
+            o = self._sdpa(qg.view(g.b, g.t, h, d).transpose(1, 2), cache, g)
+            o = o.transpose(1, 2).reshape(g.b * g.t, h, d)
             out[g.token_index] = o if g.dense_index is None else o[g.dense_index]
         return out
 
