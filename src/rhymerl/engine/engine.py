@@ -21,7 +21,13 @@ from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, keyed_uniform
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.sequence import RequestOutput, Sequence
+from rhymerl.engine.speculator import CostModel, Speculator, verify
 from rhymerl.model.decoder import Decoder
+from rhymerl.spec.drafter import Draft
+from rhymerl.spec.history import HistoryStore, prompt_key
+
+SPECULATIVE_MODES = ("off", "histospec")
+DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
 
 
 @dataclass
@@ -49,14 +55,26 @@ class StepEvent:
 
 
 class Engine:
+    """Continuous-batching rollout engine.
+
+    speculative: "off" (one token per slot per step) or "histospec" (DESIGN 3: drafts from `history`,
+    the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
+    model that HistoSpec otherwise measures at start-up; `draft_rule` is "aimd" or "doubling".
+    """
+
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
-                 max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None):
+                 max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
+                 speculative: str = "off", history: HistoryStore | None = None, max_draft_tokens: int = 32,
+                 draft_rule: str = "aimd", cost_model: CostModel | None = None):
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
         param = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
+        scratch = max_draft_tokens if speculative != "off" else 0
         self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
-                             param.dtype, param.device)
+                             param.dtype, param.device, scratch)
         self.runner = ModelRunner(model, self.cache)
         self.scheduler = Scheduler(num_slots, max_prefill_tokens)
         eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -65,10 +83,37 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.stats = EngineStats()
         self._next_id = 0
+        self.speculator = None
+        if speculative == "histospec":
+            cost = cost_model or self.measure_cost_model(max_draft_tokens)
+            self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids)
+
+    def measure_cost_model(self, max_tokens: int = 32, context: int = 128) -> CostModel:
+        """Time forwards on free slots (a `context`-token prefix each): n sequences x 1 token, and one
+        sequence x n tokens. Run at start-up, before any request holds a slot."""
+        slots = self.scheduler.num_slots
+        context = min(context, self.max_model_len - 1)
+        self.runner.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
+
+        def timed(inputs):
+            best = float("inf")
+            for _ in range(3):  # the minimum of a few runs: noise only ever adds time
+                t0 = time.perf_counter()
+                self.runner.run(inputs)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < max(slots, max_tokens)] + [max(slots, max_tokens)]
+        seq_curve = [(n, timed([SlotInput(s, context, [0]) for s in range(n)])) for n in sizes if n <= slots]
+        tok_curve = [(n, timed([SlotInput(0, context, [0] * n)])) for n in sizes if n <= max_tokens + 1]
+        return CostModel(seq_curve, tok_curve)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None) -> int | str:
-        """Queue a request; raise ValueError (naming the request and the broken rule) if it is invalid."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,
+                    group=None) -> int | str:
+        """Queue a request; raise ValueError (naming the request and the broken rule) if it is invalid.
+        Requests with the same `group` (default: the same prompt) are siblings: HistoSpec drafts from
+        each other's responses."""
         if request_id is None:
             request_id, self._next_id = self._next_id, self._next_id + 1
         if not prompt_ids:
@@ -81,7 +126,9 @@ class Engine:
             raise ValueError(f"request {request_id!r}: prompt has {len(prompt_ids)} tokens, the context holds "
                              f"{self.max_model_len} (max_model_len) and needs room for at least one new token")
         params.validate()
-        self.scheduler.add(Sequence(request_id, list(prompt_ids), params))
+        seq = Sequence(request_id, list(prompt_ids), params)
+        seq.group = prompt_key(prompt_ids) if group is None else group
+        self.scheduler.add(seq)
         return request_id
 
     def has_unfinished(self) -> bool:
@@ -89,53 +136,103 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
+        """schedule -> draft -> run -> verify and commit."""
         t0 = time.perf_counter()
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        drafts = self._draft(seqs)
         inputs = []
-        for seq in seqs:
+        for seq, draft in zip(seqs, drafts):
             new = seq.uncached_ids
-            inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1))
+            if draft.tokens:  # the last real token is node 0; the draft tree hangs from it
+                parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
+                inputs.append(SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents))
+            else:
+                inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1))
             self.stats.prompt_tokens += len(new) if seq.num_cached == 0 else 0
-            self.stats.tokens_forwarded += len(new)
+            self.stats.tokens_forwarded += len(inputs[-1].tokens)
         t1 = time.perf_counter()
-        logits = self.runner.run(inputs)  # [len(seqs), vocab]: one row per slot (its last new token)
+        logits = self.runner.run(inputs)  # rows: 1 per plain slot, 1 + len(draft) per drafting slot
         self.stats.forward_s += time.perf_counter() - t1
         self.stats.forward_passes += 1
-        tokens, logprobs = self._sample(seqs, logits)
-        events = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs)]
+        tokens, logprobs = self._sample(seqs, drafts, logits)
+        events, row = [], 0
+        for seq, draft in zip(seqs, drafts):
+            n = 1 + len(draft.tokens)
+            events.append(self._verify_and_commit(seq, draft, tokens[row : row + n], logprobs[row : row + n]))
+            row += n
+        if self.speculator is not None and not self.has_unfinished():
+            self.speculator.clear_groups()  # sibling indexes live as long as the batch
         self.stats.busy_s += time.perf_counter() - t0
         return events
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Sample one token per row; rows with the same SamplingParams share one call."""
+    def _draft(self, seqs: list[Sequence]) -> list[Draft]:
+        empty = Draft()
+        if self.speculator is None:
+            return [empty] * len(seqs)
+        for seq in seqs:
+            if seq.spec is None:
+                seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
+        # Only decoding sequences draft, and only while their draft fits in the context.
+        decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids)
+                    and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
+        base_tokens = sum(len(s.uncached_ids) for s in seqs)
+        contexts = [(seqs[i].prompt_ids + seqs[i].output_ids)[-DRAFT_CONTEXT:] for i in decoding]
+        proposed = self.speculator.propose(contexts, [seqs[i].spec for i in decoding], base_tokens) if decoding else []
+        drafts = [empty] * len(seqs)
+        for i, d in zip(decoding, proposed):
+            drafts[i] = d
+        return drafts
+
+    def _sample(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Draw a token at every logits row; rows with the same SamplingParams share one call. The draw
+        for output token j of a request depends on (seed, request, j) only: a draft node at depth d
+        uses the draw of position len(output) + d, exactly what plain decoding would use there."""
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
-        for i, seq in enumerate(seqs):
-            groups[seq.params].append(i)
-        tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
+        uniforms: list[float] = []
+        for seq, draft in zip(seqs, drafts):
+            j0 = len(seq.output_ids)
+            for depth in [0] + (draft.depths() if draft.tokens else []):
+                groups[seq.params].append(len(uniforms))
+                uniforms.append(keyed_uniform(seq.params.seed, seq.key, j0 + depth))
+        tokens, logprobs = [0] * len(uniforms), [0.0] * len(uniforms)
         for params, rows in groups.items():
-            # The draw for output token j of a request depends on (seed, request, j) only.
-            u = [keyed_uniform(params.seed, seqs[i].key, len(seqs[i].output_ids)) for i in rows]
-            sel = logits if len(rows) == len(seqs) else logits[rows]
-            toks, lps = sample(sel, params, u)
+            sel = logits if len(rows) == len(uniforms) else logits[rows]
+            toks, lps = sample(sel, params, [uniforms[i] for i in rows])
             for i, t, lp in zip(rows, toks, lps):
                 tokens[i], logprobs[i] = t, lp
         return tokens, logprobs
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> StepEvent:
-        seq.num_cached = seq.num_tokens  # everything fed this step is now in the cache
+    def _verify_and_commit(self, seq: Sequence, draft: Draft, node_tokens: list[int],
+                           node_logprobs: list[float]) -> StepEvent:
+        """Accept the draft path the policy's own draws follow, append accepted + bonus tokens (stopping
+        at EOS, a stop string or the length limit), and keep the accepted path's keys/values."""
+        base = seq.num_cached
+        path, out = verify(draft, node_tokens) if draft.tokens else ([], node_tokens[:1])
+        nodes = [-1] + path  # the node each appended token was drawn at
+        if path:
+            self.cache.commit(seq.slot, base, [0] + [j + 1 for j in path])
+        seq.num_cached = seq.num_tokens + len(path)  # fed tokens + accepted drafts; the bonus is not cached
         if not seq.output_ids:
             seq.first_token = time.perf_counter()
-        seq.output_ids.append(token)
-        seq.logprobs.append(logprob)
-        self.stats.generated_tokens += 1
-        reason = self._finish_reason(seq)
+        reason, appended = None, []
+        for tok, node in zip(out, nodes):
+            seq.output_ids.append(tok)
+            seq.logprobs.append(node_logprobs[node + 1])
+            appended.append(tok)
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                break
+        self.stats.generated_tokens += len(appended)
+        if self.speculator is not None and seq.spec is not None:
+            self.speculator.record(seq.spec, draft, path)
+            self.speculator.observe(seq.spec, appended)
         if reason is None:
-            return StepEvent(seq.request_id, [token], None)
+            return StepEvent(seq.request_id, appended, None)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        return StepEvent(seq.request_id, [token], self._output(seq))
+        return StepEvent(seq.request_id, appended, self._output(seq))
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         p = seq.params

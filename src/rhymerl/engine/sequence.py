@@ -46,6 +46,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0
     first_token: float = 0.0
+    group: object = None  # siblings share a group (HistoSpec drafts from each other)
+    spec: object = None  # the speculator's per-sequence state (rhymerl.engine.speculator.SeqSpec)
 
     def __post_init__(self):
         self.key = request_key(self.request_id)

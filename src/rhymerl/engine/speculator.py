@@ -1,0 +1,235 @@
+"""HistoSpec inside the engine: which drafts to verify this step, and what they commit.
+
+Per step: every decoding sequence asks the drafter for a token tree (history -> siblings -> self), as
+large as its adaptive draft length allows; a cost model of the forward pass, measured at start-up, then
+keeps only the draft tokens whose expected acceptances buy more than the extra forward time they cost
+(with a full batch the forward is compute-bound and that is often none); the engine runs one forward
+over all slots; `verify` walks each tree with the policy's own draws (DESIGN 3.4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rhymerl.spec.drafter import Draft, Drafter
+from rhymerl.spec.history import HistoryStore
+from rhymerl.spec.suffix_index import SuffixIndex
+
+SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
+
+
+# ---- draft length per sequence ------------------------------------------------------------------
+class AIMDLength:
+    """The RhymeRL paper's rule: start at 2, +2 after a fully accepted draft, back to 2 on a rejection."""
+
+    def __init__(self, start: int = 2, step: int = 2, cap: int = 32):
+        self.start, self.step, self.cap = start, step, cap
+
+    def next(self, length: int, drafted: int, accepted: int) -> int:
+        if drafted == 0:
+            return length
+        return min(length + self.step, self.cap) if accepted == drafted else self.start
+
+
+class DoublingLength:
+    """The authors' open-source rule: double after a fully accepted draft, halve on a rejection (2..16)."""
+
+    def __init__(self, lo: int = 2, hi: int = 16):
+        self.start, self.lo, self.hi = lo, lo, hi
+
+    def next(self, length: int, drafted: int, accepted: int) -> int:
+        if drafted == 0:
+            return length
+        return min(length * 2, self.hi) if accepted == drafted else max(length // 2, self.lo)
+
+
+LENGTH_RULES = {"aimd": AIMDLength, "doubling": DoublingLength}
+
+
+# ---- cost of a forward pass ---------------------------------------------------------------------
+class CostModel:
+    """Forward time of a step with `seqs` sequences and `tokens` tokens in all (seconds).
+
+    Two measured curves, each interpolated linearly (flat below its first point, extrapolated past its
+    last): `seq_curve` = one token for each of n sequences (plain decoding), `token_curve` = n tokens of
+    one sequence (a draft being verified). A step costs its plain-decoding cost plus what its extra
+    tokens add: seq_curve(seqs) + token_curve(tokens - seqs + 1) - token_curve(1).
+    """
+
+    def __init__(self, seq_curve: list[tuple[int, float]], token_curve: list[tuple[int, float]]):
+        self.seq_curve, self.token_curve = sorted(seq_curve), sorted(token_curve)
+
+    def __call__(self, tokens: int, seqs: int = 1) -> float:
+        extra = max(tokens - seqs, 0)
+        return _interp(self.seq_curve, seqs) + _interp(self.token_curve, 1 + extra) - _interp(self.token_curve, 1)
+
+
+def _interp(pts: list[tuple[int, float]], x: int) -> float:
+    if x <= pts[0][0] or len(pts) == 1:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+# ---- statistics -------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens accepted
+    accepted_by_source: dict = field(default_factory=lambda: {"history": 0, "siblings": 0, "self": 0})
+    verify_steps: int = 0  # (sequence, step) pairs that verified a non-empty draft
+    draft_s: float = 0.0  # time spent drafting and choosing the budget
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Accepted draft tokens per verified draft."""
+        return self.accepted / max(self.verify_steps, 1)
+
+
+@dataclass
+class SeqSpec:
+    """A sequence's speculation state: its own index, its place among its siblings, its draft length."""
+
+    own: SuffixIndex
+    group: SuffixIndex
+    sibling_id: int
+    history: SuffixIndex | None
+    length: int
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Speculator:
+    def __init__(self, cost: CostModel, history: HistoryStore | None = None, rule: str = "aimd",
+                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4):
+        self.cost = cost
+        self.history = history
+        self.rule = LENGTH_RULES[rule]()
+        self.drafter = Drafter(history, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
+                               max_branches=max_branches, eos_token_ids=eos_token_ids)
+        self.max_draft_tokens = max_draft_tokens
+        self.groups: dict = {}  # group key -> sibling SuffixIndex
+        self.stats = SpecStats()
+        # Observed accepted tokens / drafter-estimated expected tokens: the drafter's frequencies are
+        # optimistic (more so at high temperature), so expected gains are scaled by this calibration.
+        self._calib_num, self._calib_den = 1.0, 1.0
+
+    def start(self, group_key, prompt_ids: list[int]) -> SeqSpec:
+        """Called when a sequence enters a slot."""
+        group = self.groups.setdefault(group_key, SuffixIndex())
+        own = SuffixIndex()
+        own.add(prompt_ids)
+        sid = group.add(prompt_ids[-SIBLING_PROMPT_TOKENS:])
+        history = self.history.index(prompt_ids) if self.history is not None else None
+        return SeqSpec(own, group, sid, history, self.rule.start)
+
+    def observe(self, spec: SeqSpec, new_tokens: list[int]) -> None:
+        """Called with the tokens a sequence committed this step (feeds its own and its group's index)."""
+        spec.own.extend(0, new_tokens)
+        spec.group.extend(spec.sibling_id, new_tokens)
+
+    def clear_groups(self) -> None:
+        self.groups.clear()
+
+    def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int) -> list[Draft]:
+        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the number of
+        draft tokens that maximises expected committed tokens per second of forward time."""
+        t0 = time.perf_counter()
+        drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
+                  for ctx, s in zip(contexts, specs)]
+        calib = self._calib_num / self._calib_den
+        # Candidate nodes, best first: a parent's path probability is never below its child's, so any
+        # prefix of this order is a union of rooted subtrees.
+        cands = sorted(((-p * calib, i, j) for i, d in enumerate(drafts) for j, p in enumerate(d.probs)))
+        n_seq = len(contexts)
+        best_k, best_rate, gain = 0, n_seq / self.cost(base_tokens, n_seq), 0.0
+        for k, (neg_gain, _, _) in enumerate(cands, 1):
+            gain -= neg_gain
+            rate = (n_seq + gain) / self.cost(base_tokens + k, n_seq)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        keep = [set() for _ in drafts]
+        for _, i, j in cands[:best_k]:
+            keep[i].add(j)
+        out = [_prune(d, kept) for d, kept in zip(drafts, keep)]
+        self.stats.draft_s += time.perf_counter() - t0
+        return out
+
+    def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int]) -> None:
+        """Bookkeeping after verification: stats, calibration and the next draft length."""
+        if not draft.tokens:
+            return
+        n_acc = len(accepted_nodes)
+        self.stats.drafted += len(draft.tokens)
+        self.stats.accepted += n_acc
+        self.stats.accepted_by_source[draft.source] += n_acc
+        self.stats.verify_steps += 1
+        spec.drafted += len(draft.tokens)
+        spec.accepted += n_acc
+        # Calibrate with the deepest chain the tree offered (a tree's extra branches are alternatives).
+        self._calib_num = 0.99 * self._calib_num + n_acc
+        self._calib_den = 0.99 * self._calib_den + sum(draft.probs[j] for j in _best_chain(draft))
+        depth = max(draft.depths())
+        spec.length = self.rule.next(spec.length, depth, n_acc)
+
+
+def _prune(draft: Draft, keep: set[int]) -> Draft:
+    """The sub-tree of the kept nodes (closed under parents by construction), re-indexed."""
+    if len(keep) == len(draft.tokens):
+        return draft
+    if not keep:
+        return Draft()
+    new_index, tokens, parents, probs = {}, [], [], []
+    for j, (tok, par, p) in enumerate(zip(draft.tokens, draft.parents, draft.probs)):
+        if j in keep:
+            new_index[j] = len(tokens)
+            tokens.append(tok)
+            parents.append(-1 if par < 0 else new_index[par])
+            probs.append(p)
+    return Draft(tokens, parents, draft.source, draft.match_len, probs)
+
+
+def _best_chain(draft: Draft) -> list[int]:
+    """Node indices of the most probable root-to-leaf path."""
+    chain, node = [], -1
+    while True:
+        children = [j for j, p in enumerate(draft.parents) if p == node]
+        if not children:
+            return chain
+        node = max(children, key=lambda j: draft.probs[j])
+        chain.append(node)
+
+
+def verify(draft: Draft, node_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """The acceptance rule of DESIGN 3.4, for one sequence.
+
+    `node_tokens[0]` is the token the policy drew after the sequence's last token, and
+    `node_tokens[1 + j]` the token it drew after draft node j; each with the keyed uniform of its
+    output position, i.e. exactly the draw plain decoding would make there. Walk from the root: if the
+    drawn token is a child of the current node, accept it and continue from that child; otherwise the
+    drawn token is the last one of this step (the bonus token).
+
+    Because a history draft is a point mass, this is standard speculative sampling (accept draft d with
+    probability p(d), else sample from p without d) in its point-mass form, so the output has exactly
+    the policy's distribution, and with keyed draws it is token-identical to plain decoding.
+
+    Returns (accepted draft node indices along the path, the tokens to append: accepted + bonus).
+    """
+    children: dict[tuple[int, int], int] = {(p, t): j for j, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
+    path, out, node = [], [], -1
+    while True:
+        x = node_tokens[node + 1]
+        out.append(x)
+        child = children.get((node, x))
+        if child is None:
+            return path, out
+        path.append(child)
+        node = child

@@ -1,0 +1,144 @@
+"""HistoSpec in the engine: lossless verification, identity with plain decoding, the budget."""
+
+import pytest
+import torch
+
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.speculator import AIMDLength, CostModel, DoublingLength, verify
+from rhymerl.spec.drafter import Draft
+from rhymerl.spec.history import HistoryStore
+from tiny_models import VOCAB, random_prompts, tiny_decoder
+
+FLAT = CostModel([(1, 1.0), (64, 1.0)], [(1, 1.0), (64, 1.0)])  # drafts are free: always draft
+STEEP = CostModel([(1, 1.0), (64, 64.0)], [(1, 1.0), (64, 64.0)])  # every token costs a forward: never
+
+
+def peaky(model, scale=6.0):
+    """A random model is nearly uniform, so its responses never repeat and no draft is ever accepted.
+    Sharpening its output distribution (as training does to a policy) makes history predictive."""
+    with torch.no_grad():
+        model.norm.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return peaky(tiny_decoder("llama"))
+
+
+def engine(model, spec, history=None, cost=FLAT, slots=4, **kw):
+    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], speculative=spec,
+                  history=history, cost_model=cost, max_draft_tokens=8, **kw)
+
+
+def test_verify_follows_the_policy_draws():
+    # tree: 0:a(root child) -> 1:b -> 3:d ; 0 -> 2:c
+    draft = Draft(tokens=[10, 11, 12, 13], parents=[-1, 0, 0, 1], source="history", match_len=2,
+                  probs=[0.9, 0.5, 0.4, 0.3])
+    # node_tokens[k] is the draw after node k-1 (k=0: after the root)
+    assert verify(draft, [10, 11, 13, 99, 7]) == ([0, 1, 3], [10, 11, 13, 7])
+    assert verify(draft, [10, 12, 5, 5, 5]) == ([0, 2], [10, 12, 5])
+    assert verify(draft, [42, 0, 0, 0, 0]) == ([], [42])
+
+
+def test_length_rules():
+    aimd, dbl = AIMDLength(), DoublingLength()
+    assert [aimd.next(2, 2, 2), aimd.next(4, 4, 1), aimd.next(32, 32, 32), aimd.next(6, 0, 0)] == [4, 2, 32, 6]
+    assert [dbl.next(2, 2, 2), dbl.next(8, 8, 3), dbl.next(16, 16, 16), dbl.next(2, 2, 0)] == [4, 4, 16, 2]
+
+
+def history_of(model, prompts, params, n_gen=3):
+    """A previous 'epoch': n_gen responses per prompt with other seeds, recorded as history."""
+    store = HistoryStore()
+    for g in range(n_gen):
+        p = SamplingParams(**{**params.__dict__, "seed": params.seed + 100 + g})
+        outs = engine(model, "off").generate(prompts, p)
+        for prompt, o in zip(prompts, outs):
+            store.record_rollout(prompt, [o.token_ids], [1.0])
+    return store
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])
+def test_speculative_rollout_is_token_identical_to_plain(arch, temperature):
+    model = peaky(tiny_decoder(arch))
+    prompts = random_prompts(6, seed=21)
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=5)
+    history = history_of(model, prompts, params)
+    ids = [f"p{i}-g{g}" for i in range(6) for g in range(2)]  # 2 generations per prompt: siblings
+    batch = [p for p in prompts for _ in range(2)]
+    plain = engine(model, "off").generate(batch, params, request_ids=ids)
+    spec_engine = engine(model, "histospec", history)
+    spec = spec_engine.generate(batch, params, request_ids=ids)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for a, b in zip(spec, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+    st = spec_engine.speculator.stats
+    assert st.drafted > 0  # drafts were really verified (a rejection takes the bonus-token path) ...
+    if temperature <= 0.3:
+        assert st.accepted > 0  # ... and, where the policy is predictable, accepted
+
+
+def test_greedy_full_acceptance_needs_fewer_forwards(model):
+    prompts = random_prompts(4, seed=22)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    history = history_of(model, prompts, params, n_gen=1)  # greedy: history = the exact answer
+    plain_engine, spec_engine = engine(model, "off"), engine(model, "histospec", history)
+    plain = plain_engine.generate(prompts, params)
+    spec = spec_engine.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec_engine.speculator.stats.accept_rate > 0.9
+    assert spec_engine.stats.forward_passes * 3 < plain_engine.stats.forward_passes
+    assert spec_engine.stats.tokens_per_forward > 3
+
+
+def test_first_tokens_follow_the_policy_distribution(model):
+    """Chi-square: the first two tokens sampled through HistoSpec (with an adversarial history that
+    always drafts the same tokens) are distributed as the model says."""
+    prompt = random_prompts(1, seed=23)[0]
+    history = HistoryStore()
+    history.record_rollout(prompt, [[7, 8, 9, 10]] * 4)
+    n = 3000
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=9)
+    eng = engine(model, "histospec", history, slots=64)
+    outs = eng.generate([prompt] * n, params, request_ids=list(range(n)))
+    assert eng.speculator.stats.drafted > 0
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt]))[0, -1].double(), -1)
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=VOCAB).double()
+    expected = p1 * n
+    big = expected >= 5  # pool the rare tokens into one cell
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5  # ~4 sigma
+    # Second token after the drafted first token 7: conditional distribution check.
+    second = [o.token_ids[1] for o in outs if o.token_ids[0] == 7]
+    if len(second) > 200:
+        with torch.no_grad():
+            p2 = torch.softmax(model(torch.tensor([prompt + [7]]))[0, -1].double(), -1)
+        top = int(p2.argmax())
+        frac = sum(t == top for t in second) / len(second)
+        assert abs(frac - float(p2[top])) < 4 * (float(p2[top]) * (1 - float(p2[top])) / len(second)) ** 0.5 + 1e-9
+
+
+def test_budget_turns_speculation_off_when_it_does_not_pay(model):
+    prompts = random_prompts(4, seed=24)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    history = history_of(model, prompts, params, n_gen=1)
+    eng = engine(model, "histospec", history, cost=STEEP)
+    eng.generate(prompts, params)
+    assert eng.speculator.stats.drafted == 0
+    eng = engine(model, "histospec", history, cost=FLAT)
+    eng.generate(prompts, params)
+    assert eng.speculator.stats.drafted > 0
+
+
+def test_measured_cost_model_and_bad_mode(model):
+    eng = Engine(model, num_slots=4, max_model_len=96, speculative="histospec", max_draft_tokens=8)
+    cost = eng.speculator.cost
+    assert cost(1, 1) > 0 and cost(8, 1) >= cost(1, 1) * 0.5
+    with pytest.raises(ValueError, match="speculative"):
+        Engine(model, speculative="medusa")
