@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rhymerl.cli import main, read_prompt_file
+from rhymerl.cli import main
+from rhymerl.tasks.prompt_file import read_prompt_file
 
 
 def test_prompt_file_errors_name_file_and_line(tmp_path):
@@ -16,7 +17,7 @@ def test_prompt_file_errors_name_file_and_line(tmp_path):
     with pytest.raises(SystemExit, match=r"p.jsonl:2: not valid JSON"):
         read_prompt_file(f)
     f.write_text('{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}]}\n')
-    assert read_prompt_file(f) == ["a", [{"role": "user", "content": "b"}]]
+    assert [r.prompt for r in read_prompt_file(f)] == ["a", [{"role": "user", "content": "b"}]]
 
 
 def test_unknown_model_is_a_clear_error(capsys, tmp_path, monkeypatch):

@@ -10,8 +10,8 @@ from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
-FLAT = CostModel([(1, 1.0), (64, 1.0)], [(1, 1.0), (64, 1.0)])  # drafts are free: always draft
-STEEP = CostModel([(1, 1.0), (64, 64.0)], [(1, 1.0), (64, 64.0)])  # every token costs a forward: never
+FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
+STEEP = CostModel([1, 64], [1, 64], [[1.0, 64.0], [64.0, 4096.0]])  # every token costs a forward: never
 
 
 def peaky(model, scale=6.0):
@@ -139,6 +139,10 @@ def test_budget_turns_speculation_off_when_it_does_not_pay(model):
 def test_measured_cost_model_and_bad_mode(model):
     eng = Engine(model, num_slots=4, max_model_len=96, speculative="histospec", max_draft_tokens=8)
     cost = eng.speculator.cost
-    assert cost(1, 1) > 0 and cost(8, 1) >= cost(1, 1) * 0.5
+    assert 0 < cost(1, 1) <= cost(9, 1) and cost(4, 4) <= cost(12, 4)  # non-decreasing in tokens
+    grid = CostModel([1, 4], [1, 2], [[1.0, 0.5], [2.0, 3.0]])  # noise made a bigger step look cheaper
+    assert grid.times == [[1.0, 1.0], [2.0, 3.0]]
+    # 3 tokens over 2 sequences: 1.5 per sequence -> 1.0 on the 1-sequence row, 2.5 on the 4-sequence row
+    assert grid(3, 2) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="speculative"):
         Engine(model, speculative="medusa")

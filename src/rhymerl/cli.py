@@ -7,30 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from rhymerl.bench import engine_bench
+from rhymerl.bench import engine_bench, spec_bench
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
-
-
-def read_prompt_file(path: Path) -> list:
-    """JSONL rows with a `prompt` field: a string, or a list of chat messages ({role, content})."""
-    prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{lineno}: not valid JSON ({e.msg})")
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt))
-        if not ok:
-            raise SystemExit(f"{path}:{lineno}: field 'prompt' must be a string or a list of "
-                             f"{{role, content}} messages, got {type(prompt).__name__}")
-        prompts.append(prompt)
-    return prompts
+from rhymerl.tasks.prompt_file import read_prompt_file
 
 
 def encode(tokenizer, prompt, chat: bool) -> list[int]:
@@ -41,7 +22,7 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    prompts = list(args.prompts) + (read_prompt_file(Path(args.file)) if args.file else [])
+    prompts = list(args.prompts) + ([row.prompt for row in read_prompt_file(Path(args.file))] if args.file else [])
     if not prompts:
         raise SystemExit("rhymerl generate: no prompts (give them as arguments or with --file FILE.jsonl)")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -87,6 +68,16 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
+def cmd_bench_spec(args) -> int:
+    summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
+                             args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
+                             args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
+                             args.max_draft_tokens)
+    spec_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rhymerl", description="RL for LLMs with history-accelerated rollouts")
     sub = p.add_subparsers(dest="command", required=True)
@@ -123,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--skip-hf", action="store_true", help="only our engine")
     be.set_defaults(func=cmd_bench_engine)
+    bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts")
+    bs.add_argument("--model", default="smollm2-135m")
+    bs.add_argument("--dtype", default="bf16")
+    bs.add_argument("--temperatures", default="0.3,0.6,1.0")
+    bs.add_argument("--num-prompts", type=int, default=16)
+    bs.add_argument("--num-generations", type=int, default=8)
+    bs.add_argument("--slots", type=int, default=32)
+    bs.add_argument("--max-tokens", type=int, default=256)
+    bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
+    bs.add_argument("--identity-prompts", type=int, default=4, help="prompts (x2) for the fp32 identity check")
+    bs.add_argument("--identity-max-tokens", type=int, default=96)
+    bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling"])
+    bs.add_argument("--max-draft-tokens", type=int, default=32)
+    bs.add_argument("--seed", type=int, default=0)
+    bs.set_defaults(func=cmd_bench_spec)
     return p
 
 

@@ -28,6 +28,7 @@ from rhymerl.spec.history import HistoryStore, prompt_key
 
 SPECULATIVE_MODES = ("off", "histospec")
 DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
+TAIL_SEQS = 4  # steps with at most this many sequences count as the long tail
 
 
 @dataclass
@@ -38,11 +39,19 @@ class EngineStats:
     generated_tokens: int = 0  # tokens appended to outputs
     busy_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which in the model's forward
+    seq_steps: int = 0  # sum over steps of the sequences in the step
+    tail_s: float = 0.0  # wall time of steps with at most TAIL_SEQS sequences (the long tail)
+    tail_tokens: int = 0  # tokens generated in those steps
 
     @property
     def tokens_per_forward(self) -> float:
-        """Generated tokens per forward pass: the number speculative decoding raises above 1 per slot."""
+        """Generated tokens per forward pass."""
         return self.generated_tokens / max(self.forward_passes, 1)
+
+    @property
+    def tokens_per_seq_forward(self) -> float:
+        """Tokens each sequence commits per forward it takes part in: 1 without speculation."""
+        return self.generated_tokens / max(self.seq_steps, 1)
 
 
 @dataclass
@@ -86,27 +95,37 @@ class Engine:
         self.speculator = None
         if speculative == "histospec":
             cost = cost_model or self.measure_cost_model(max_draft_tokens)
+            self.cost_model = cost
             self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids)
 
-    def measure_cost_model(self, max_tokens: int = 32, context: int = 128) -> CostModel:
-        """Time forwards on free slots (a `context`-token prefix each): n sequences x 1 token, and one
-        sequence x n tokens. Run at start-up, before any request holds a slot."""
+    def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 128) -> CostModel:
+        """Time real verification forwards on free slots: n sequences (with a `context`-token prefix)
+        each feeding t tokens as a chain, over a grid of n and t. Run at start-up, before any request
+        holds a slot; a couple of seconds for a 135M model on a CPU."""
         slots = self.scheduler.num_slots
         context = min(context, self.max_model_len - 1)
         self.runner.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
-
-        def timed(inputs):
-            best = float("inf")
-            for _ in range(3):  # the minimum of a few runs: noise only ever adds time
-                t0 = time.perf_counter()
-                self.runner.run(inputs)
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < max(slots, max_tokens)] + [max(slots, max_tokens)]
-        seq_curve = [(n, timed([SlotInput(s, context, [0]) for s in range(n)])) for n in sizes if n <= slots]
-        tok_curve = [(n, timed([SlotInput(0, context, [0] * n)])) for n in sizes if n <= max_tokens + 1]
-        return CostModel(seq_curve, tok_curve)
+        seqs_grid = sorted({n for n in (1, 4, 16) if n < slots} | {slots})
+        per_seq_grid = sorted({t for t in (1, 2, 4, 8, 16) if t <= max_draft_tokens} | {max_draft_tokens + 1})
+        times = []
+        for n in seqs_grid:
+            row = []
+            for t in per_seq_grid:
+                if n * t > 512 and len(row) >= 2:  # big enough to extrapolate linearly from here
+                    break
+                inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
+                best = float("inf")
+                for _ in range(2):  # the minimum: noise only ever adds time
+                    t0 = time.perf_counter()
+                    self.runner.run(inputs)
+                    best = min(best, time.perf_counter() - t0)
+                row.append(best)
+            while len(row) < len(per_seq_grid):  # extrapolate the skipped (largest) points
+                j = len(row)
+                slope = (row[-1] - row[-2]) / (per_seq_grid[j - 1] - per_seq_grid[j - 2])
+                row.append(row[-1] + slope * (per_seq_grid[j] - per_seq_grid[j - 1]))
+            times.append(row)
+        return CostModel(seqs_grid, per_seq_grid, times)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,
@@ -164,7 +183,12 @@ class Engine:
             row += n
         if self.speculator is not None and not self.has_unfinished():
             self.speculator.clear_groups()  # sibling indexes live as long as the batch
-        self.stats.busy_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.busy_s += elapsed
+        self.stats.seq_steps += len(seqs)
+        if len(seqs) <= TAIL_SEQS:
+            self.stats.tail_s += elapsed
+            self.stats.tail_tokens += sum(len(e.new_token_ids) for e in events)
         return events
 
     def _draft(self, seqs: list[Sequence]) -> list[Draft]:
@@ -178,7 +202,7 @@ class Engine:
         decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids)
                     and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
         base_tokens = sum(len(s.uncached_ids) for s in seqs)
-        contexts = [(seqs[i].prompt_ids + seqs[i].output_ids)[-DRAFT_CONTEXT:] for i in decoding]
+        contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         proposed = self.speculator.propose(contexts, [seqs[i].spec for i in decoding], base_tokens) if decoding else []
         drafts = [empty] * len(seqs)
         for i, d in zip(decoding, proposed):
@@ -286,3 +310,9 @@ class Engine:
             bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
         bar.close()
         return [results[rid] for rid in ids]
+
+
+def _tail(seq: Sequence, n: int) -> list[int]:
+    """The last n tokens of prompt + output, without copying the whole sequence."""
+    out = seq.output_ids[-n:]
+    return out if len(out) == n else seq.prompt_ids[-(n - len(out)):] + out

@@ -49,24 +49,37 @@ LENGTH_RULES = {"aimd": AIMDLength, "doubling": DoublingLength}
 
 # ---- cost of a forward pass ---------------------------------------------------------------------
 class CostModel:
-    """Forward time of a step with `seqs` sequences and `tokens` tokens in all (seconds).
-
-    Two measured curves, each interpolated linearly (flat below its first point, extrapolated past its
-    last): `seq_curve` = one token for each of n sequences (plain decoding), `token_curve` = n tokens of
-    one sequence (a draft being verified). A step costs its plain-decoding cost plus what its extra
-    tokens add: seq_curve(seqs) + token_curve(tokens - seqs + 1) - token_curve(1).
+    """Forward time (seconds) of a step with `seqs` sequences feeding `tokens` tokens in all, from a grid
+    measured on this machine: times[i][j] for seqs_grid[i] sequences x per_seq_grid[j] tokens each.
+    Bilinear interpolation in (sequences, tokens per sequence), linear extrapolation past the grid, and
+    the grid is made non-decreasing first (measurement noise must not make a bigger step look cheaper).
     """
 
-    def __init__(self, seq_curve: list[tuple[int, float]], token_curve: list[tuple[int, float]]):
-        self.seq_curve, self.token_curve = sorted(seq_curve), sorted(token_curve)
+    def __init__(self, seqs_grid: list[int], per_seq_grid: list[int], times: list[list[float]]):
+        self.seqs_grid, self.per_seq_grid = list(seqs_grid), list(per_seq_grid)
+        rows = [_cummax(r) for r in times]
+        cols = [_cummax([rows[i][j] for i in range(len(rows))]) for j in range(len(per_seq_grid))]
+        self.times = [[cols[j][i] for j in range(len(per_seq_grid))] for i in range(len(seqs_grid))]
 
     def __call__(self, tokens: int, seqs: int = 1) -> float:
-        extra = max(tokens - seqs, 0)
-        return _interp(self.seq_curve, seqs) + _interp(self.token_curve, 1 + extra) - _interp(self.token_curve, 1)
+        per_seq = tokens / max(seqs, 1)
+        at_seqs = [_interp(list(zip(self.per_seq_grid, row)), per_seq) for row in self.times]
+        return _interp(list(zip(self.seqs_grid, at_seqs)), seqs)
+
+    def as_dict(self) -> dict:
+        return {"seqs": self.seqs_grid, "tokens_per_seq": self.per_seq_grid, "seconds": self.times}
 
 
-def _interp(pts: list[tuple[int, float]], x: int) -> float:
-    if x <= pts[0][0] or len(pts) == 1:
+def _cummax(xs: list[float]) -> list[float]:
+    out, m = [], float("-inf")
+    for x in xs:
+        m = max(m, x)
+        out.append(m)
+    return out
+
+
+def _interp(pts: list[tuple[float, float]], x: float) -> float:
+    if len(pts) == 1 or x <= pts[0][0]:
         return pts[0][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
         if x <= x1:

@@ -1,0 +1,132 @@
+"""`rhymerl bench spec`: HistoSpec vs plain decoding on a second epoch of the same prompts.
+
+Epoch 1 (plain decoding, its own seed) fills the history store, as the previous RL step would. Epoch 2
+runs the same prompts with a new seed twice, plain and HistoSpec, with identical request ids and seeds,
+so the two must produce the same tokens (checked in fp32 on a subset; bf16 rounds a 1-token and a
+many-token forward differently, so its identity rate is only reported).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+from rhymerl.spec.history import HistoryStore
+from rhymerl.tasks.arithmetic import make_problems, prompt_text
+from rhymerl.tasks.prompt_file import read_prompt_file
+
+
+def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[int]]:
+    if data is None:
+        texts = [prompt_text(p) for p in make_problems(n, seed)]
+    else:
+        texts = [row.prompt for row in read_prompt_file(Path(data))][:n]
+    return [chat_prompt_ids(tokenizer, t) if isinstance(t, str) else
+            list(tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True)) for t in texts]
+
+
+def rollout(engine: Engine, prompts: list[list[int]], num_generations: int, params: SamplingParams):
+    """One rollout: every prompt num_generations times (request ids "i-g"), timed."""
+    batch = [p for p in prompts for _ in range(num_generations)]
+    ids = [f"{i}-{g}" for i in range(len(prompts)) for g in range(num_generations)]
+    t0 = time.perf_counter()
+    outs = engine.generate(batch, params, request_ids=ids)
+    return outs, time.perf_counter() - t0
+
+
+def mean_entropy(model, prompts, outs, num_generations: int, temperature: float, limit: int = 16) -> float:
+    """Mean entropy (nats) of the policy's next-token distribution at `temperature` over the response
+    tokens of up to `limit` responses, by a dense forward."""
+    total, count = 0.0, 0
+    for k, o in enumerate(outs[:limit]):
+        prompt = prompts[k // num_generations]
+        if not o.token_ids:
+            continue
+        ids = torch.tensor([prompt + o.token_ids])
+        with torch.inference_mode():
+            logits = model(ids)[0, len(prompt) - 1 : -1].float() / max(temperature, 1e-6)
+        logp = torch.log_softmax(logits, -1)
+        total += float(-(logp.exp() * logp).sum(-1).sum())
+        count += len(o.token_ids)
+    return total / max(count, 1)
+
+
+def identity(a, b) -> float:
+    return sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
+        num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=4, identity_max_tokens=96,
+        seed=0, draft_rule="aimd", max_draft_tokens=32) -> dict:
+    model, tokenizer, model_dir = load_pretrained(model_name, dtype, "cpu")
+    prompts = load_prompts(tokenizer, data, num_prompts, seed)
+    max_len = max(map(len, prompts)) + max_tokens
+    fp32 = load_pretrained(model_name, "fp32", "cpu")[0] if identity_prompts else None
+
+    def make(m, spec, history=None, n_slots=slots, length=max_len):
+        return Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
+                      history=history, draft_rule=draft_rule, max_draft_tokens=max_draft_tokens)
+
+    results = {}
+    for temp in temperatures:
+        epoch1 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 1000)
+        epoch2 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000)
+        history = HistoryStore()
+        outs1, _ = rollout(make(model, "off"), prompts, num_generations, epoch1)
+        for i, p in enumerate(prompts):
+            history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
+        plain_engine, spec_engine = make(model, "off"), make(model, "histospec", history)
+        plain, plain_s = rollout(plain_engine, prompts, num_generations, epoch2)
+        spec, spec_s = rollout(spec_engine, prompts, num_generations, epoch2)
+        ps, ss, sp = plain_engine.stats, spec_engine.stats, spec_engine.speculator.stats
+        row = {
+            "entropy": round(mean_entropy(model, prompts, plain, num_generations, temp), 3),
+            "tokens_plain": ps.generated_tokens, "tokens_spec": ss.generated_tokens,
+            "plain_s": round(plain_s, 2), "spec_s": round(spec_s, 2),
+            "plain_tok_s": round(ps.generated_tokens / plain_s, 1), "spec_tok_s": round(ss.generated_tokens / spec_s, 1),
+            "speedup": round((ss.generated_tokens / spec_s) / (ps.generated_tokens / plain_s), 3),
+            "plain_tail_tok_s": round(ps.tail_tokens / max(ps.tail_s, 1e-9), 1),
+            "spec_tail_tok_s": round(ss.tail_tokens / max(ss.tail_s, 1e-9), 1),
+            "accept_rate": round(sp.accept_rate, 3), "mean_accepted_len": round(sp.mean_accepted_len, 2),
+            "tokens_per_forward": round(ss.tokens_per_seq_forward, 3),
+            "forwards_plain": ps.forward_passes, "forwards_spec": ss.forward_passes,
+            "drafted": sp.drafted, "accepted": sp.accepted, "accepted_by_source": dict(sp.accepted_by_source),
+            "draft_time_share": round(sp.draft_s / max(ss.busy_s, 1e-9), 3),
+            "identity_rate_bf16": round(identity(plain, spec), 3),
+        }
+        row["tail_speedup"] = round(row["spec_tail_tok_s"] / max(row["plain_tail_tok_s"], 1e-9), 3)
+        if fp32 is not None:
+            sub = prompts[:identity_prompts]
+            length = max(map(len, sub)) + identity_max_tokens
+            p32 = SamplingParams(temperature=temp, max_tokens=identity_max_tokens, seed=seed + 2000)
+            a, _ = rollout(make(fp32, "off", n_slots=8, length=length), sub, 2, p32)
+            b, _ = rollout(make(fp32, "histospec", history, n_slots=8, length=length), sub, 2, p32)
+            row["identity_rate"] = round(identity(a, b), 3)
+            row["identity_n"] = len(a)
+        results[str(temp)] = row
+    return {"model": model_name, "dtype": dtype, "device": "cpu", "threads": torch.get_num_threads(),
+            "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
+            "max_tokens": max_tokens, "draft_rule": draft_rule, "data": data or "builtin:arithmetic",
+            "temperatures": results}
+
+
+def print_table(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"HistoSpec, epoch 2: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts x "
+                    f"{summary['num_generations']}, {summary['slots']} slots, max_tokens={summary['max_tokens']}")
+    cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "accept", "tok/seq/fwd",
+            "identity fp32", "identity bf16"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for temp, r in summary["temperatures"].items():
+        t.add_row(temp, str(r["entropy"]), str(r["plain_tok_s"]), str(r["spec_tok_s"]), f"{r['speedup']}x",
+                  f"{r['tail_speedup']}x", str(r["accept_rate"]), str(r["tokens_per_forward"]),
+                  str(r.get("identity_rate", "-")), str(r["identity_rate_bf16"]))
+    console.print(t)
