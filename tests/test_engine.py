@@ -81,6 +81,30 @@ def test_continuous_batching_refills_slots(model):
     assert not eng.has_unfinished() and len(eng.scheduler.free_slots) == 3
 
 
+def test_slots_are_compacted_once_the_queue_is_empty(model):
+    """Finished sequences leave holes; the survivors move down (cache rows and all) and still decode
+    exactly as they would have in place."""
+    prompts = random_prompts(6, seed=31)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (2, 14, 3, 12, 4, 10)]
+    eng = Engine(model, num_slots=6, max_model_len=64, eos_token_ids=[])
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(p, sp, i)
+    outs, slot_of, moved = {}, {}, False
+    while eng.has_unfinished():
+        for ev in eng.step():
+            if ev.output is not None:
+                outs[ev.request_id] = ev.output
+        slots = sorted(eng.scheduler.running)
+        assert slots == list(range(len(slots)))  # always contiguous from 0
+        for slot, seq in eng.scheduler.running.items():
+            moved |= slot_of.setdefault(seq.request_id, slot) != slot
+            slot_of[seq.request_id] = slot
+    assert moved  # some request really did change slot mid-generation
+    for i, p in enumerate(prompts):
+        toks, _ = reference_generate(model, p, params[i], i)
+        assert outs[i].token_ids == toks
+
+
 def test_stops_on_eos(model):
     prompt = random_prompts(1, seed=4)[0]
     free = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(

@@ -32,14 +32,25 @@ def engine(model, spec, history=None, cost=FLAT, slots=4, **kw):
                   history=history, cost_model=cost, max_draft_tokens=8, **kw)
 
 
+def run_verify(draft, node_tokens):
+    """Drive the verify generator with a fixed draw per node (node_tokens[k]: the draw after node k-1)."""
+    walk = verify(draft)
+    node = next(walk)
+    while True:
+        try:
+            node = walk.send(node_tokens[node + 1])
+        except StopIteration as done:
+            return done.value
+
+
 def test_verify_follows_the_policy_draws():
     # tree: 0:a(root child) -> 1:b -> 3:d ; 0 -> 2:c
     draft = Draft(tokens=[10, 11, 12, 13], parents=[-1, 0, 0, 1], source="history", match_len=2,
                   probs=[0.9, 0.5, 0.4, 0.3])
     # node_tokens[k] is the draw after node k-1 (k=0: after the root)
-    assert verify(draft, [10, 11, 13, 99, 7]) == ([0, 1, 3], [10, 11, 13, 7])
-    assert verify(draft, [10, 12, 5, 5, 5]) == ([0, 2], [10, 12, 5])
-    assert verify(draft, [42, 0, 0, 0, 0]) == ([], [42])
+    assert run_verify(draft, [10, 11, 13, 99, 7]) == ([0, 1, 3], [10, 11, 13, 7])
+    assert run_verify(draft, [10, 12, 5, 5, 5]) == ([0, 2], [10, 12, 5])
+    assert run_verify(draft, [42, 0, 0, 0, 0]) == ([], [42])
 
 
 def test_length_rules():

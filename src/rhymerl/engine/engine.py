@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
+from rhymerl.engine.allocator import keep_freed_memory
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
@@ -79,6 +80,8 @@ class Engine:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
         param = next(model.parameters())
+        if param.device.type == "cpu":
+            keep_freed_memory()  # sampling temporaries are MBs: stop paying page faults for each
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         scratch = max_draft_tokens if speculative != "off" else 0
@@ -98,12 +101,12 @@ class Engine:
             self.cost_model = cost
             self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids)
 
-    def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 128) -> CostModel:
+    def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
         """Time real verification forwards on free slots: n sequences (with a `context`-token prefix)
         each feeding t tokens as a chain, over a grid of n and t. Run at start-up, before any request
         holds a slot; a couple of seconds for a 135M model on a CPU."""
         slots = self.scheduler.num_slots
-        context = min(context, self.max_model_len - 1)
+        context = min(context, self.max_model_len - 1)  # attention cost grows with it: a typical rollout's
         self.runner.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
         seqs_grid = sorted({n for n in (1, 4, 16) if n < slots} | {slots})
         per_seq_grid = sorted({t for t in (1, 2, 4, 8, 16) if t <= max_draft_tokens} | {max_draft_tokens + 1})
@@ -175,12 +178,10 @@ class Engine:
         logits = self.runner.run(inputs)  # rows: 1 per plain slot, 1 + len(draft) per drafting slot
         self.stats.forward_s += time.perf_counter() - t1
         self.stats.forward_passes += 1
-        tokens, logprobs = self._sample(seqs, drafts, logits)
-        events, row = [], 0
-        for seq, draft in zip(seqs, drafts):
-            n = 1 + len(draft.tokens)
-            events.append(self._verify_and_commit(seq, draft, tokens[row : row + n], logprobs[row : row + n]))
-            row += n
+        walks = self._walk(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
+        events = [self._commit(seq, draft, *walk) for seq, draft, walk in zip(seqs, drafts, walks)]
+        for seq, old_slot in self.scheduler.compact():
+            self.cache.move(old_slot, seq.slot, seq.num_cached)
         if self.speculator is not None and not self.has_unfinished():
             self.speculator.clear_groups()  # sibling indexes live as long as the batch
         elapsed = time.perf_counter() - t0
@@ -203,47 +204,65 @@ class Engine:
                     and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
         base_tokens = sum(len(s.uncached_ids) for s in seqs)
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
-        proposed = self.speculator.propose(contexts, [seqs[i].spec for i in decoding], base_tokens) if decoding else []
+        specs = [seqs[i].spec for i in decoding]
+        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs)) if decoding else []
         drafts = [empty] * len(seqs)
         for i, d in zip(decoding, proposed):
             drafts[i] = d
         return drafts
 
-    def _sample(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Draw a token at every logits row; rows with the same SamplingParams share one call. The draw
-        for output token j of a request depends on (seed, request, j) only: a draft node at depth d
-        uses the draw of position len(output) + d, exactly what plain decoding would use there."""
+    def _walk(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor, rows_per_seq: list[int]):
+        """Run every sequence's `verify` walk, one tree level at a time, drawing only at the nodes the
+        walks reach (a plain sequence is a walk over an empty draft: one draw). Returns per sequence
+        (accepted path, tokens, their log-probs)."""
+        starts = [sum(rows_per_seq[:i]) for i in range(len(seqs))]
+        walks = [verify(d) for d in drafts]
+        at = {i: next(w) for i, w in enumerate(walks)}  # sequence -> node it needs a draw at
+        drawn = [([], []) for _ in seqs]
+        results = [None] * len(seqs)
+        while at:
+            live = list(at)
+            tokens, logprobs = self._draw([seqs[i] for i in live], [starts[i] + at[i] + 1 for i in live],
+                                          [len(drawn[i][0]) for i in live], logits)
+            for i, tok, lp in zip(live, tokens, logprobs):
+                drawn[i][0].append(tok)
+                drawn[i][1].append(lp)
+                try:
+                    at[i] = walks[i].send(tok)
+                except StopIteration as done:
+                    path, out = done.value
+                    results[i] = (path, out, drawn[i][1])
+                    del at[i]
+        return results
+
+    def _draw(self, seqs: list[Sequence], rows: list[int], offsets: list[int], logits: torch.Tensor):
+        """Sample one token at each logits row; the draw for output token j of a request depends on
+        (seed, request, j) only (here j = its output length + offset), exactly what plain decoding
+        uses there. Rows with the same SamplingParams share one call."""
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
-        uniforms: list[float] = []
-        for seq, draft in zip(seqs, drafts):
-            j0 = len(seq.output_ids)
-            for depth in [0] + (draft.depths() if draft.tokens else []):
-                groups[seq.params].append(len(uniforms))
-                uniforms.append(keyed_uniform(seq.params.seed, seq.key, j0 + depth))
-        tokens, logprobs = [0] * len(uniforms), [0.0] * len(uniforms)
-        for params, rows in groups.items():
-            sel = logits if len(rows) == len(uniforms) else logits[rows]
-            toks, lps = sample(sel, params, [uniforms[i] for i in rows])
-            for i, t, lp in zip(rows, toks, lps):
-                tokens[i], logprobs[i] = t, lp
+        for k, seq in enumerate(seqs):
+            groups[seq.params].append(k)
+        tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
+        for params, ks in groups.items():
+            u = [keyed_uniform(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
+            toks, lps = sample(logits[[rows[k] for k in ks]], params, u)
+            for k, t, lp in zip(ks, toks, lps):
+                tokens[k], logprobs[k] = t, lp
         return tokens, logprobs
 
-    def _verify_and_commit(self, seq: Sequence, draft: Draft, node_tokens: list[int],
-                           node_logprobs: list[float]) -> StepEvent:
-        """Accept the draft path the policy's own draws follow, append accepted + bonus tokens (stopping
-        at EOS, a stop string or the length limit), and keep the accepted path's keys/values."""
+    def _commit(self, seq: Sequence, draft: Draft, path: list[int], out: list[int], out_logprobs: list[float]) -> StepEvent:
+        """Append the accepted tokens and the bonus token (stopping at EOS, a stop string or the length
+        limit) and keep the accepted path's keys/values."""
         base = seq.num_cached
-        path, out = verify(draft, node_tokens) if draft.tokens else ([], node_tokens[:1])
-        nodes = [-1] + path  # the node each appended token was drawn at
         if path:
             self.cache.commit(seq.slot, base, [0] + [j + 1 for j in path])
         seq.num_cached = seq.num_tokens + len(path)  # fed tokens + accepted drafts; the bonus is not cached
         if not seq.output_ids:
             seq.first_token = time.perf_counter()
         reason, appended = None, []
-        for tok, node in zip(out, nodes):
+        for tok, lp in zip(out, out_logprobs):
             seq.output_ids.append(tok)
-            seq.logprobs.append(node_logprobs[node + 1])
+            seq.logprobs.append(lp)
             appended.append(tok)
             reason = self._finish_reason(seq)
             if reason is not None:

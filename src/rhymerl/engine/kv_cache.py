@@ -35,3 +35,7 @@ class KVCache:
         dst = torch.arange(base, base + len(path), device=self.kv.device)
         # The right-hand side gathers into a new tensor first, so overlapping src/dst is safe.
         self.kv[:, slot, :, dst] = self.kv[:, slot, :, src]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` committed positions of slot `src` to slot `dst` (all layers)."""
+        self.kv[:, dst, :, :length] = self.kv[:, src, :, :length]

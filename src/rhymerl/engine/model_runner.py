@@ -43,9 +43,12 @@ def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray, np.ndarra
     return anc, depth
 
 
+def _bucket(n: int) -> int:
+    return 0 if n == 1 else min((n - 1).bit_length(), 7)  # 1 | 2 | 3-4 | 5-8 | ... | 65+
+
+
 class _Group:
-    """Slots that share one attention call: all single-token slots, or all multi-token slots (so a long
-    prefill does not pad every decode row to its length).
+    """Slots that share one attention call (slots feeding a similar number of tokens).
 
     Attention reads the cache rows of the slot range [lo, hi) in place (a view); idle slots inside the
     range are padding rows. Only when the group's slots are sparse in their range (the end of a rollout)
@@ -113,9 +116,13 @@ class CachedAttention:
             off += n
         self.slot_of = torch.tensor(slot_of, device=device)
         self.write_pos = torch.tensor(write_pos, device=device)
-        single = [i for i, x in enumerate(inputs) if len(x.tokens) == 1]
-        multi = [i for i, x in enumerate(inputs) if len(x.tokens) > 1]
-        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], dtype, device, group_size) for g in (single, multi) if g]
+        # Slots are grouped by how many tokens they feed (1, 2-4, 5-8, ..., 65+), so that decode rows,
+        # small draft trees and prompt prefills are not padded to each other's length.
+        buckets: dict[int, list[int]] = {}
+        for i, x in enumerate(inputs):
+            buckets.setdefault(_bucket(len(x.tokens)), []).append(i)
+        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], dtype, device, group_size)
+                       for _, g in sorted(buckets.items())]
         # Pure decode over contiguous slots: tokens are the query rows in order, no scatter at all.
         self.direct = len(self.groups) == 1 and self.groups[0].dense_index is None
 

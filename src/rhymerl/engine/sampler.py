@@ -23,7 +23,9 @@ def filtered_probs(logp: torch.Tensor, params: SamplingParams) -> tuple[torch.Te
     """[R, V] log-probs after temperature -> (probs over the kept tokens [R, V'], vocabulary ids of those
     columns, or None when V' is the whole vocabulary in order). Applies top-k, then top-p."""
     if params.top_k == 0 and params.top_p >= 1.0:
-        return logp.exp(), None
+        # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach
+        # -300); it adds at most 49152 * e^-80 < 1e-30 of probability mass.
+        return logp.clamp(min=-80.0).exp(), None
     k = logp.shape[-1] if params.top_k == 0 else min(params.top_k, logp.shape[-1])
     top, ids = torch.topk(logp, k, dim=-1)  # sorted, descending
     probs = torch.softmax(top, dim=-1)

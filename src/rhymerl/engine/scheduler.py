@@ -50,3 +50,22 @@ class Scheduler:
         del self.running[seq.slot]
         self.free_slots.append(seq.slot)
         self.free_slots.sort(reverse=True)
+
+    def compact(self) -> list[tuple[Sequence, int]]:
+        """When nothing waits, move the highest running sequences into the lowest free slots so that the
+        running slots are 0..n-1: attention then reads exactly n cache rows, with no idle slot in between
+        (a waiting request would fill the hole next step anyway). Returns (sequence, old slot) per move;
+        the caller moves the cache rows."""
+        moves = []
+        while not self.waiting and self.free_slots and self.running:
+            hole, top = min(self.free_slots), max(self.running)
+            if hole > top:
+                break
+            seq = self.running.pop(top)
+            self.free_slots.remove(hole)
+            self.free_slots.append(top)
+            self.free_slots.sort(reverse=True)
+            seq.slot = hole
+            self.running[hole] = seq
+            moves.append((seq, top))
+        return moves

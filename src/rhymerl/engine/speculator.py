@@ -152,27 +152,33 @@ class Speculator:
     def clear_groups(self) -> None:
         self.groups.clear()
 
-    def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int) -> list[Draft]:
-        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the number of
-        draft tokens that maximises expected committed tokens per second of forward time."""
+    def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int) -> list[Draft]:
+        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the per-sequence
+        size that maximises expected committed tokens per second of forward time.
+
+        The forward pads every drafting sequence to the largest draft of the step, so the budget is a
+        per-step cap c on each sequence's draft (its c most likely nodes), and a step is costed as the
+        measured `seqs` sequences x (1 + c) tokens. c = 0, plain decoding, wins whenever drafts do not
+        pay (a full batch, poor matches, high temperature)."""
         t0 = time.perf_counter()
         drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
         calib = self._calib_num / self._calib_den
-        # Candidate nodes, best first: a parent's path probability is never below its child's, so any
-        # prefix of this order is a union of rooted subtrees.
-        cands = sorted(((-p * calib, i, j) for i, d in enumerate(drafts) for j, p in enumerate(d.probs)))
-        n_seq = len(contexts)
-        best_k, best_rate, gain = 0, n_seq / self.cost(base_tokens, n_seq), 0.0
-        for k, (neg_gain, _, _) in enumerate(cands, 1):
-            gain -= neg_gain
-            rate = (n_seq + gain) / self.cost(base_tokens + k, n_seq)
+        # Each draft's nodes, most likely first: a parent's path probability is never below its child's,
+        # so every prefix of this order is a rooted subtree.
+        order = [sorted(range(len(d.tokens)), key=lambda j: (-d.probs[j], j)) for d in drafts]
+        gains = [_prefix_sums([calib * d.probs[j] for j in o]) for d, o in zip(drafts, order)]
+        n_dec = len(contexts)
+        best_c, best_rate = 0, n_dec / self.cost(base_tokens, seqs)
+        longest = max((len(d.tokens) for d in drafts), default=0)
+        for c in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
+            if c > longest:
+                break
+            gain = sum(g[min(c, len(g) - 1)] for g in gains)
+            rate = (n_dec + gain) / self.cost(seqs * (1 + c), seqs)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        keep = [set() for _ in drafts]
-        for _, i, j in cands[:best_k]:
-            keep[i].add(j)
-        out = [_prune(d, kept) for d, kept in zip(drafts, keep)]
+                best_c, best_rate = c, rate
+        out = [_prune(d, set(o[:best_c])) for d, o in zip(drafts, order)]
         self.stats.draft_s += time.perf_counter() - t0
         return out
 
@@ -192,6 +198,13 @@ class Speculator:
         self._calib_den = 0.99 * self._calib_den + sum(draft.probs[j] for j in _best_chain(draft))
         depth = max(draft.depths())
         spec.length = self.rule.next(spec.length, depth, n_acc)
+
+
+def _prefix_sums(xs: list[float]) -> list[float]:
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
 
 
 def _prune(draft: Draft, keep: set[int]) -> Draft:
@@ -221,25 +234,25 @@ def _best_chain(draft: Draft) -> list[int]:
         chain.append(node)
 
 
-def verify(draft: Draft, node_tokens: list[int]) -> tuple[list[int], list[int]]:
-    """The acceptance rule of DESIGN 3.4, for one sequence.
+def verify(draft: Draft):
+    """The acceptance rule of DESIGN 3.4 for one sequence, as a generator: it yields the draft node it
+    needs the policy's draw at (-1 = the sequence's last real token) and is sent the token drawn there,
+    with the keyed uniform of that output position, i.e. exactly the draw plain decoding would make.
+    Lazy, so the engine only samples the rows of the path actually taken.
 
-    `node_tokens[0]` is the token the policy drew after the sequence's last token, and
-    `node_tokens[1 + j]` the token it drew after draft node j; each with the keyed uniform of its
-    output position, i.e. exactly the draw plain decoding would make there. Walk from the root: if the
-    drawn token is a child of the current node, accept it and continue from that child; otherwise the
-    drawn token is the last one of this step (the bonus token).
+    Walk from the root: if the drawn token is a child of the current node, accept it and continue from
+    that child; otherwise the drawn token is the last one of this step (the bonus token). A history draft
+    is a point mass, so this is standard speculative sampling (accept draft d with probability p(d), else
+    sample from p without d) in its point-mass form: the output has exactly the policy's distribution,
+    and with keyed draws it is token-identical to plain decoding.
 
-    Because a history draft is a point mass, this is standard speculative sampling (accept draft d with
-    probability p(d), else sample from p without d) in its point-mass form, so the output has exactly
-    the policy's distribution, and with keyed draws it is token-identical to plain decoding.
-
-    Returns (accepted draft node indices along the path, the tokens to append: accepted + bonus).
+    Returns (via StopIteration.value) the accepted node indices along the path and the tokens to append
+    (the accepted ones, then the bonus token).
     """
-    children: dict[tuple[int, int], int] = {(p, t): j for j, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
+    children = {(p, t): j for j, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
     path, out, node = [], [], -1
     while True:
-        x = node_tokens[node + 1]
+        x = yield node
         out.append(x)
         child = children.get((node, x))
         if child is None:

@@ -1,0 +1,30 @@
+"""Keep freed memory in the process (glibc), so large temporaries stop costing page faults.
+
+PyTorch's CPU allocator hands every tensor to malloc and frees it at once. glibc serves blocks above its
+mmap threshold (128 KiB, adaptive up to 32 MiB) with fresh mmap()s and unmaps them on free, so a 6 MB
+temporary, e.g. the [32, 49152] probabilities of one sampling step, is faulted in page by page every
+time: measured here, softmax over [32, 49152] took 4 ms instead of 0.8 ms. Raising the mmap and trim
+thresholds makes glibc reuse freed heap memory instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_THRESHOLD = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's mmap and trim thresholds to 1 GiB. Returns False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
