@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
     bs.add_argument("--identity-prompts", type=int, default=4, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96)
-    bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling"])
+    bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling", "cost"])
     bs.add_argument("--max-draft-tokens", type=int, default=32)
     bs.add_argument("--seed", type=int, default=0)
     bs.set_defaults(func=cmd_bench_spec)

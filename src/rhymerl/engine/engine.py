@@ -29,7 +29,6 @@ from rhymerl.spec.history import HistoryStore, prompt_key
 
 SPECULATIVE_MODES = ("off", "histospec")
 DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
-TAIL_SEQS = 4  # steps with at most this many sequences count as the long tail
 
 
 @dataclass
@@ -41,8 +40,6 @@ class EngineStats:
     busy_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which in the model's forward
     seq_steps: int = 0  # sum over steps of the sequences in the step
-    tail_s: float = 0.0  # wall time of steps with at most TAIL_SEQS sequences (the long tail)
-    tail_tokens: int = 0  # tokens generated in those steps
 
     @property
     def tokens_per_forward(self) -> float:
@@ -99,7 +96,9 @@ class Engine:
         if speculative == "histospec":
             cost = cost_model or self.measure_cost_model(max_draft_tokens)
             self.cost_model = cost
-            self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids)
+            # A cost model given by the caller is taken as is; a measured one is corrected online.
+            self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids,
+                                         correct_cost=cost_model is None)
 
     def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
         """Time real verification forwards on free slots: n sequences (with a `context`-token prefix)
@@ -185,11 +184,10 @@ class Engine:
         if self.speculator is not None and not self.has_unfinished():
             self.speculator.clear_groups()  # sibling indexes live as long as the batch
         elapsed = time.perf_counter() - t0
+        if self.speculator is not None:
+            self.speculator.observe_step(elapsed)
         self.stats.busy_s += elapsed
         self.stats.seq_steps += len(seqs)
-        if len(seqs) <= TAIL_SEQS:
-            self.stats.tail_s += elapsed
-            self.stats.tail_tokens += sum(len(e.new_token_ids) for e in events)
         return events
 
     def _draft(self, seqs: list[Sequence]) -> list[Draft]:

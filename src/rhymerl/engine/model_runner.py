@@ -27,8 +27,13 @@ class SlotInput:
     logits_from: int = 0  # logits are returned for tokens[logits_from:]
 
 
-def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """([n, n] bool: j is i or an ancestor of i, [n] depth) for a tree given in topological order."""
+def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """([n, n] bool: j is i or an ancestor of i, [n] depth) for a tree given in topological order.
+    A single token (a decode step) needs no matrix: None."""
+    if n == 1:
+        if parents not in (None, [-1]):
+            raise ValueError(f"draft tree not in topological order: token 0 has parent {parents[0]}")
+        return None, np.zeros(1, dtype=np.int64)
     if parents is None:
         return np.tril(np.ones((n, n), dtype=bool)), np.arange(n)
     anc = np.zeros((n, n), dtype=bool)
@@ -55,9 +60,11 @@ class _Group:
     are their rows gathered, which copies their keys/values in every layer.
     """
 
-    def __init__(self, inputs: list[SlotInput], token_offsets: list[int], dtype, device, group_size: int):
+    def __init__(self, inputs: list[SlotInput], token_offsets: list[int], trees: list, dtype, device,
+                 group_size: int):
         order = sorted(range(len(inputs)), key=lambda i: inputs[i].slot)
-        inputs, token_offsets = [inputs[i] for i in order], [token_offsets[i] for i in order]
+        inputs, trees = [inputs[i] for i in order], [trees[i] for i in order]
+        token_offsets = [token_offsets[i] for i in order]
         ns = [len(x.tokens) for x in inputs]
         slots = [x.slot for x in inputs]
         self.t = max(ns)
@@ -83,9 +90,8 @@ class _Group:
         else:
             m = np.zeros((self.b, self.t, self.l), dtype=bool)
             m[:, :, 0] = True
-            for r, x in zip(row_of, inputs):
+            for r, x, (anc, _) in zip(row_of, inputs, trees):
                 n = len(x.tokens)
-                anc, _ = _ancestors(x.parents, n)
                 m[r, :n, : x.base] = True
                 m[r, :n, x.base : x.base + n] = anc
             mask = torch.from_numpy(m)
@@ -102,7 +108,7 @@ class _Group:
 class CachedAttention:
     """The attention backend for the engine: write new keys/values, attend over the slot caches."""
 
-    def __init__(self, cache: KVCache, inputs: list[SlotInput], device, num_heads: int):
+    def __init__(self, cache: KVCache, inputs: list[SlotInput], trees: list, device, num_heads: int):
         dtype = cache.kv.dtype
         group_size = num_heads // cache.num_kv_heads
         self.cache = cache
@@ -121,8 +127,8 @@ class CachedAttention:
         buckets: dict[int, list[int]] = {}
         for i, x in enumerate(inputs):
             buckets.setdefault(_bucket(len(x.tokens)), []).append(i)
-        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], dtype, device, group_size)
-                       for _, g in sorted(buckets.items())]
+        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], [trees[i] for i in g], dtype,
+                              device, group_size) for _, g in sorted(buckets.items())]
         # Pure decode over contiguous slots: tokens are the query rows in order, no scatter at all.
         self.direct = len(self.groups) == 1 and self.groups[0].dense_index is None
 
@@ -172,9 +178,9 @@ class ModelRunner:
             if x.base + len(x.tokens) > self.cache.capacity:
                 raise ValueError(f"slot {x.slot}: {x.base}+{len(x.tokens)} tokens exceed cache capacity {self.cache.capacity}")
         tokens, positions, rows, off = [], [], [], 0
-        for x in inputs:
+        trees = [_ancestors(x.parents, len(x.tokens)) for x in inputs]  # ([n, n] ancestors, [n] depth)
+        for x, (_, depth) in zip(inputs, trees):
             n = len(x.tokens)
-            _, depth = _ancestors(x.parents, n) if x.parents is not None else (None, np.arange(n))
             tokens += x.tokens
             positions.append(x.base + depth)
             rows += range(off + x.logits_from, off + n)
@@ -183,5 +189,5 @@ class ModelRunner:
         tokens_t = torch.tensor(tokens, device=dev)
         positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
-        backend = CachedAttention(self.cache, inputs, dev, self.model.cfg.num_heads)
+        backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads)
         return self.model.forward_packed(tokens_t, positions_t, backend, logit_rows).float()

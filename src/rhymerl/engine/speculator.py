@@ -44,7 +44,18 @@ class DoublingLength:
         return min(length * 2, self.hi) if accepted == drafted else max(length // 2, self.lo)
 
 
-LENGTH_RULES = {"aimd": AIMDLength, "doubling": DoublingLength}
+class CostOnlyLength:
+    """No per-sequence rule: every sequence offers a full tree and the per-step cost model alone decides
+    how much of it to verify (the drafter's calibrated path probabilities say what each node is worth)."""
+
+    def __init__(self, cap: int = 32):
+        self.start = cap
+
+    def next(self, length: int, drafted: int, accepted: int) -> int:
+        return length
+
+
+LENGTH_RULES = {"aimd": AIMDLength, "doubling": DoublingLength, "cost": CostOnlyLength}
 
 
 # ---- cost of a forward pass ---------------------------------------------------------------------
@@ -122,10 +133,13 @@ class SeqSpec:
 
 class Speculator:
     def __init__(self, cost: CostModel, history: HistoryStore | None = None, rule: str = "aimd",
-                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4):
+                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4, correct_cost: bool = True):
         self.cost = cost
+        self.correct_cost = correct_cost  # learn measured/predicted step time online (see observe_step)
         self.history = history
-        self.rule = LENGTH_RULES[rule]()
+        if rule not in LENGTH_RULES:
+            raise ValueError(f"draft_rule must be one of {sorted(LENGTH_RULES)}, got {rule!r}")
+        self.rule = LENGTH_RULES[rule](max_draft_tokens) if rule == "cost" else LENGTH_RULES[rule]()
         self.drafter = Drafter(history, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
                                max_branches=max_branches, eos_token_ids=eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
@@ -134,6 +148,11 @@ class Speculator:
         # Observed accepted tokens / drafter-estimated expected tokens: the drafter's frequencies are
         # optimistic (more so at high temperature), so expected gains are scaled by this calibration.
         self._calib_num, self._calib_den = 1.0, 1.0
+        # Measured / predicted step time, for drafting and for plain steps, per batch-size bucket: a real
+        # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
+        # when it drafts; the decision compares corrected costs. Updated by `observe_step`.
+        self._ratio: dict[tuple[int, bool], float] = {}
+        self._pending: tuple | None = None
 
     def start(self, group_key, prompt_ids: list[int]) -> SeqSpec:
         """Called when a sequence enters a slot."""
@@ -169,18 +188,32 @@ class Speculator:
         order = [sorted(range(len(d.tokens)), key=lambda j: (-d.probs[j], j)) for d in drafts]
         gains = [_prefix_sums([calib * d.probs[j] for j in o]) for d, o in zip(drafts, order)]
         n_dec = len(contexts)
-        best_c, best_rate = 0, n_dec / self.cost(base_tokens, seqs)
+        bucket = seqs.bit_length()
+        plain_cost = self.cost(base_tokens, seqs)
+        draft_scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        best_c, best_rate, best_cost = 0, n_dec / plain_cost, plain_cost
         longest = max((len(d.tokens) for d in drafts), default=0)
         for c in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
             if c > longest:
                 break
             gain = sum(g[min(c, len(g) - 1)] for g in gains)
-            rate = (n_dec + gain) / self.cost(seqs * (1 + c), seqs)
+            cost = self.cost(seqs * (1 + c), seqs)
+            rate = (n_dec + gain) / (cost * draft_scale)
             if rate > best_rate:
-                best_c, best_rate = c, rate
+                best_c, best_rate, best_cost = c, rate, cost
+        self._pending = (bucket, best_c > 0, best_cost)
         out = [_prune(d, set(o[:best_c])) for d, o in zip(drafts, order)]
         self.stats.draft_s += time.perf_counter() - t0
         return out
+
+    def observe_step(self, seconds: float) -> None:
+        """The measured time of the step `propose` planned: updates the measured/predicted ratio."""
+        if self._pending is None or not self.correct_cost:
+            return
+        bucket, drafting, predicted = self._pending
+        key = (bucket, drafting)
+        self._ratio[key] = 0.9 * self._ratio.get(key, 1.0) + 0.1 * (seconds / predicted)
+        self._pending = None
 
     def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int]) -> None:
         """Bookkeeping after verification: stats, calibration and the next draft length."""
