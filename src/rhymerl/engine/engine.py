@@ -213,6 +213,9 @@ class Engine:
         """Run every sequence's `verify` walk, one tree level at a time, drawing only at the nodes the
         walks reach (a plain sequence is a walk over an empty draft: one draw). Returns per sequence
         (accepted path, tokens, their log-probs)."""
+        if not any(d.tokens for d in drafts):  # a plain step: one draw per sequence, nothing to walk
+            tokens, logprobs = self._draw(seqs, list(range(len(seqs))), [0] * len(seqs), logits)
+            return [([], [t], [lp]) for t, lp in zip(tokens, logprobs)]
         starts = [sum(rows_per_seq[:i]) for i in range(len(seqs))]
         walks = [verify(d) for d in drafts]
         at = {i: next(w) for i, w in enumerate(walks)}  # sequence -> node it needs a draw at
@@ -243,7 +246,9 @@ class Engine:
         tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
         for params, ks in groups.items():
             u = [keyed_uniform(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
-            toks, lps = sample(logits[[rows[k] for k in ks]], params, u)
+            sel = [rows[k] for k in ks]
+            # all rows in order (a plain step): no 6 MB copy of the logits
+            toks, lps = sample(logits if sel == list(range(len(logits))) else logits[sel], params, u)
             for k, t, lp in zip(ks, toks, lps):
                 tokens[k], logprobs[k] = t, lp
         return tokens, logprobs

@@ -45,7 +45,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     A zero-probability column is never chosen: its cumulative mass equals its left neighbour's."""
     r, v = probs.shape
     pad = (-v) % _BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(r, -1, _BLOCK)  # [R, nb, 256]
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, _BLOCK)  # [R, nb, 256]
     block_mass = blocks.sum(-1).double()  # [R, nb]; a 256-term fp32 sum is good to ~1e-7 (fp64 costs 5x)
     cum = block_mass.cumsum(-1)
     target = uniforms[:, None] * cum[:, -1:]  # [R, 1]
