@@ -5,7 +5,7 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import AIMDLength, CostModel, DoublingLength, verify
+from rhymerl.engine.speculator import PROBE_EVERY, AIMDLength, CostModel, DoublingLength, verify
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
@@ -157,3 +157,17 @@ def test_measured_cost_model_and_bad_mode(model):
     assert grid(3, 2) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="speculative"):
         Engine(model, speculative="medusa")
+
+
+def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
+    """After PROBE_EVERY steps with a zero budget the drafter only runs every PROBE_EVERY-th step."""
+    prompts = random_prompts(2, seed=25)
+    params = SamplingParams(temperature=0, max_tokens=60)
+    eng = engine(model, "histospec", history_of(model, prompts, params, n_gen=1), cost=STEEP, slots=2)
+    calls = []
+    draft = eng.speculator.drafter.draft
+    eng.speculator.drafter.draft = lambda *a, **k: calls.append(1) or draft(*a, **k)
+    eng.generate(prompts, params)
+    steps = eng.stats.forward_passes - 1  # the first step only prefills
+    assert eng.speculator.stats.drafted == 0
+    assert len(calls) <= 2 * (PROBE_EVERY + steps // PROBE_EVERY + 1) < 2 * steps

@@ -17,6 +17,7 @@ from rhymerl.spec.history import HistoryStore
 from rhymerl.spec.suffix_index import SuffixIndex
 
 SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
+PROBE_EVERY = 8  # once drafts stopped paying, draft only every 8th step to see whether they pay again
 
 
 # ---- draft length per sequence ------------------------------------------------------------------
@@ -147,7 +148,11 @@ class Speculator:
         self.stats = SpecStats()
         # Observed accepted tokens / drafter-estimated expected tokens: the drafter's frequencies are
         # optimistic (more so at high temperature), so expected gains are scaled by this calibration.
-        self._calib_num, self._calib_den = 1.0, 1.0
+        self._calib_num, self._calib_den = 0.5, 1.0  # a cautious prior: half of what the drafter expects
+        # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
+        # drafting itself is skipped except every PROBE_EVERY-th step, which keeps watching whether
+        # drafts started to pay (the tail, a more predictable prompt) at almost no cost.
+        self._idle: dict[int, int] = {}
         # Measured / predicted step time, for drafting and for plain steps, per batch-size bucket: a real
         # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
         # when it drafts; the decision compares corrected costs. Updated by `observe_step`.
@@ -180,6 +185,12 @@ class Speculator:
         measured `seqs` sequences x (1 + c) tokens. c = 0, plain decoding, wins whenever drafts do not
         pay (a full batch, poor matches, high temperature)."""
         t0 = time.perf_counter()
+        bucket = seqs.bit_length()
+        idle = self._idle.get(bucket, 0)
+        if idle >= PROBE_EVERY and idle % PROBE_EVERY:
+            self._idle[bucket] = idle + 1
+            self._pending = None
+            return [Draft() for _ in contexts]
         drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
         calib = self._calib_num / self._calib_den
@@ -188,7 +199,6 @@ class Speculator:
         order = [sorted(range(len(d.tokens)), key=lambda j: (-d.probs[j], j)) for d in drafts]
         gains = [_prefix_sums([calib * d.probs[j] for j in o]) for d, o in zip(drafts, order)]
         n_dec = len(contexts)
-        bucket = seqs.bit_length()
         plain_cost = self.cost(base_tokens, seqs)
         draft_scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
         best_c, best_rate, best_cost = 0, n_dec / plain_cost, plain_cost
@@ -202,6 +212,7 @@ class Speculator:
             if rate > best_rate:
                 best_c, best_rate, best_cost = c, rate, cost
         self._pending = (bucket, best_c > 0, best_cost)
+        self._idle[bucket] = 0 if best_c > 0 else idle + 1
         out = [_prune(d, set(o[:best_c])) for d, o in zip(drafts, order)]
         self.stats.draft_s += time.perf_counter() - t0
         return out
