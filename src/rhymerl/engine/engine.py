@@ -1,8 +1,11 @@
 """The rollout engine: continuous batching over a preallocated KV cache.
 
-`step()` reads as schedule -> run -> postprocess: admit waiting requests into free slots, run one forward
-over every running slot's new tokens, sample one token per slot with keyed randomness, and retire the
-sequences that hit EOS, a stop string or their length limit (their slots are refilled next step).
+`step()` reads as schedule -> draft -> run -> verify and commit: admit waiting requests into free slots;
+with HistoSpec on, let the speculator propose a draft tree per decoding sequence (possibly none); run one
+forward over every running slot's new tokens and drafts; walk each draft with the policy's keyed draws
+(plain decoding is the walk over an empty draft: one token); append the accepted tokens and the bonus
+token, keep the accepted path's keys/values, and retire the sequences that hit EOS, a stop string or their
+length limit (their slots are refilled next step, or the survivors are compacted when nothing waits).
 """
 
 from __future__ import annotations

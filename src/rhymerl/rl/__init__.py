@@ -1,0 +1,1 @@
+"""RL maths for GRPO-family training: group-relative advantages and the clipped policy loss."""
