@@ -15,10 +15,7 @@ from rhymerl.tasks.prompt_file import read_prompt_file
 
 
 def encode(tokenizer, prompt, chat: bool) -> list[int]:
-    if isinstance(prompt, list):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return chat_prompt_ids(tokenizer, prompt) if chat else tokenizer.encode(prompt)
+    return tokenizer.encode(prompt) if isinstance(prompt, str) and not chat else chat_prompt_ids(tokenizer, prompt)
 
 
 def cmd_generate(args) -> int:

@@ -31,8 +31,7 @@ def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[in
         texts = [prompt_text(p) for p in make_problems(n, seed)]
     else:
         texts = [row.prompt for row in read_prompt_file(Path(data))][:n]
-    return [chat_prompt_ids(tokenizer, t) if isinstance(t, str) else
-            list(tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True)) for t in texts]
+    return [chat_prompt_ids(tokenizer, t) for t in texts]
 
 
 def rollout(engine: Engine, prompts: list[list[int]], num_generations: int, params: SamplingParams):

@@ -165,10 +165,10 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        drafts = self._draft(seqs)
+        news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
+        drafts = self._draft(seqs, sum(map(len, news)))
         inputs = []
-        for seq, draft in zip(seqs, drafts):
-            new = seq.uncached_ids
+        for seq, draft, new in zip(seqs, drafts, news):
             if draft.tokens:  # the last real token is node 0; the draft tree hangs from it
                 parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
                 inputs.append(SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents))
@@ -193,7 +193,7 @@ class Engine:
         self.stats.seq_steps += len(seqs)
         return events
 
-    def _draft(self, seqs: list[Sequence]) -> list[Draft]:
+    def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
         empty = Draft()
         if self.speculator is None:
             return [empty] * len(seqs)
@@ -203,7 +203,6 @@ class Engine:
         # Only decoding sequences draft, and only while their draft fits in the context.
         decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids)
                     and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
-        base_tokens = sum(len(s.uncached_ids) for s in seqs)
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
         proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs)) if decoding else []

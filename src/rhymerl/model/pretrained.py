@@ -33,11 +33,14 @@ def load_pretrained(name_or_path: str, dtype: str = "bf16", device: str | None =
     return model, tokenizer, model_dir
 
 
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of a single user turn with the chat template and the assistant's generation prompt
-    (plain encoding when the tokenizer has no chat template)."""
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a prompt with the chat template and the assistant's generation prompt: a text becomes
+    one user turn, a list of {role, content} messages is used as is. Without a chat template, a text is
+    encoded plainly."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer.encode(text)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    raise ValueError("chat messages given but the tokenizer has no chat template")
