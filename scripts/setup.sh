@@ -18,8 +18,8 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
   # torch first and pinned, so the local CPU wheel is used instead of pip pulling a CUDA build.
   echo "[setup] installing torch==2.13.0"
   "$VENV/bin/python" -m pip install -q torch==2.13.0
-  echo "[setup] installing rhymerl[dev] (editable)"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  echo "[setup] installing rhymerl[dev,bench] (editable)"
+  "$VENV/bin/python" -m pip install -q -e ".[dev,bench]"
   echo "$want" > "$STAMP"
 else
   echo "[setup] python packages up to date"
