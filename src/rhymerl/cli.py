@@ -1,4 +1,4 @@
-"""The `rhymerl` command: generate, bench."""
+"""The `rhymerl` command: train, report, generate, bench."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from rhymerl import report
 from rhymerl.bench import engine_bench, spec_bench
+from rhymerl.config import config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+from rhymerl.rl.loop import TrainingRun
 from rhymerl.tasks.prompt_file import read_prompt_file
 
 
@@ -57,6 +60,27 @@ def cmd_generate(args) -> int:
     return 1 if all(o.error for o in outs) else 0
 
 
+def cmd_train(args) -> int:
+    if args.resume:
+        run = TrainingRun.resume(args.resume, args.overrides)
+    else:
+        run = TrainingRun(load_config(args.config, args.overrides))
+    print(f"[train] run directory: {run.run_dir} (resume with: rhymerl train --resume {run.run_dir})", file=sys.stderr)
+    run_dir = run.run()
+    return cmd_report(argparse.Namespace(run_dir=str(run_dir), out=None))
+
+
+def cmd_report(args) -> int:
+    paths = report.write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    s = report.summary(Path(args.run_dir))
+    print(f"[report] {args.run_dir}: {s['steps']} steps; reward {s['reward_first']} -> {s['reward_last']} "
+          f"(max {s['reward_max']}); val accuracy {s['val_accuracy_last']}; median step {s['step_time_median_s']} s; "
+          f"mean accept rate {s['accept_rate_mean']}")
+    for path in paths:
+        print(f"[report] wrote {path}")
+    return 0
+
+
 def cmd_bench_engine(args) -> int:
     summary = engine_bench.run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.num_prompts,
                                args.max_tokens, args.temperature, args.top_p, args.seed, args.skip_hf)
@@ -78,6 +102,20 @@ def cmd_bench_spec(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rhymerl", description="RL for LLMs with history-accelerated rollouts")
     sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="GRPO training with HistoSpec rollouts (no arguments: the embedded default job)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="configuration keys (YAML sections, or key=value on the command line):\n" + config_help())
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.temperature=0.6")
+    t.add_argument("--config", default=None, help="YAML config file (sections as listed below)")
+    t.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR from its latest checkpoint, with its saved config (+ overrides)")
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("report", help="PNG plots and a summary of a training run")
+    r.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
+    r.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    r.set_defaults(func=cmd_report)
 
     g = sub.add_parser("generate", help="sample completions from a model")
     g.add_argument("prompts", nargs="*", help="prompt texts (the chat template is applied)")
@@ -133,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad model name, bad sampling value, ...: one clear line, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad config/model/data/sampling value: one clear line, no traceback
         print(f"rhymerl: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,1 @@
+"""Training examples: built-in prompt sets and dataset files (GSM8K, verl, simple JSONL/Parquet)."""

@@ -1,0 +1,113 @@
+"""Checkpoints of a training run, written atomically and loadable by transformers.
+
+Layout of `RUN_DIR/checkpoints/step_000010/`:
+  model.safetensors + config.json + tokenizer files  the policy in Hugging Face names (fp32, LoRA merged):
+                                                      `AutoModelForCausalLM.from_pretrained(dir)` loads it
+  trainer.pt      optimizer and LR-scheduler state (and the LoRA adapter weights when LoRA is on)
+  history.json    the HistoSpec history store
+  state.json      step, epoch, RNG states and the run's counters
+and `RUN_DIR/checkpoints/latest` names the newest complete one.
+
+Atomicity: a checkpoint is written into `step_000010.tmp` and renamed into place, and `latest` is replaced
+by rename only after that; a crash at any moment leaves the previous checkpoint intact and named by `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LATEST = "latest"
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "state.json").exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    v = state["python"]
+    random.setstate((v[0], tuple(v[1]), v[2]))
+    torch.set_rng_state(state["torch"])
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Tensor], model_dir: Path,
+                    trainer_state: dict, history_state: dict | None, state: dict, keep: int = 2) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it and delete all but the newest `keep`."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left over from a crash while writing
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().float().contiguous() for k, v in hf_weights.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in _HF_FILES:  # config and tokenizer of the base model, so transformers can load the directory
+        if (Path(model_dir) / name).exists():
+            shutil.copy2(Path(model_dir) / name, tmp / name)
+    _force_fp32_config(tmp / "config.json")
+    torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer.pt")
+    if history_state is not None:
+        (tmp / "history.json").write_text(json.dumps(history_state))
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(final.parent / LATEST, final.name)
+    _prune(final.parent, keep)
+    return final
+
+
+def _force_fp32_config(path: Path) -> None:
+    # The weights are saved in fp32 whatever the base checkpoint's dtype.
+    if path.exists():
+        cfg = json.loads(path.read_text())
+        for key in ("torch_dtype", "dtype"):
+            if key in cfg:
+                cfg[key] = "float32"
+        path.write_text(json.dumps(cfg, indent=2))
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path) -> tuple[dict, dict, dict | None]:
+    """(state.json, trainer.pt contents, history state or None) of a checkpoint directory."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+    history = json.loads((path / "history.json").read_text()) if (path / "history.json").exists() else None
+    return state, trainer_state, history

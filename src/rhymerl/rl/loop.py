@@ -1,0 +1,294 @@
+"""The RL loop (DESIGN 1-2): for each step, prompts -> rollout (HistoSpec) -> rewards -> advantages -> update
+-> weight sync -> history store update; validation every `val.every` steps; checkpoints every `run.save_every`.
+
+The run is a pure function of its config and seed: the prompts of step t come from a permutation keyed by
+(seed, epoch), and every sampled token from keyed randomness (seed, request id, position) with request ids
+made of (step, prompt, generation). So a run resumed from a checkpoint repeats exactly what the
+uninterrupted run would have done, and HistoSpec on or off gives the same rollouts (up to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
+from rhymerl.data.dataset import Example, builtin_examples, read_dataset
+from rhymerl.engine.engine import Engine, EngineStats
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.speculator import CostModel, SpecStats
+from rhymerl.metrics import MetricsLogger
+from rhymerl.model.decoder import Decoder
+from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.model.pretrained import chat_prompt_ids
+from rhymerl.model.weights import load_decoder, to_hf_state_dict
+from rhymerl.rl.advantages import grpo_advantages
+from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from rhymerl.rl.rewards import RewardScorer, load_reward_function
+from rhymerl.rl.trainer import PolicyTrainer, Sample
+from rhymerl.spec.history import HistoryStore
+
+
+@dataclass
+class Prompt:
+    example: Example
+    ids: list[int]
+
+
+def batch_indices(step: int, num_prompts: int, per_step: int, seed: int, shuffle: bool) -> list[int]:
+    """Dataset rows of step `step` (0-based): a stream of epochs, each a permutation keyed by (seed, epoch),
+    read `per_step` rows at a time. A pure function of its arguments: the data position is the step."""
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(pos, num_prompts)
+        order = list(range(num_prompts))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(order[i])
+    return out
+
+
+def encode_prompts(tokenizer, examples: list[Example], max_len: int, what: str) -> tuple[list[Prompt], list[str]]:
+    """Chat-template token ids of each example; a prompt longer than `max_len` tokens is skipped and reported."""
+    kept, skipped = [], []
+    for ex in examples:
+        ids = chat_prompt_ids(tokenizer, ex.messages())
+        if len(ids) > max_len:
+            skipped.append(f"{ex.source}: {what} prompt has {len(ids)} tokens > data.max_prompt_length={max_len}")
+        else:
+            kept.append(Prompt(ex, ids))
+    return kept, skipped
+
+
+def sync_weights(src: Decoder, dst: Decoder) -> None:
+    """Copy the trainer's weights into the rollout engine's model (casting to its dtype). The engine's
+    prepacked copies notice the new weight versions and repack on their next use."""
+    dst_params = dict(dst.named_parameters())
+    with torch.no_grad():
+        for name, p in src.named_parameters():
+            dst_params[name].copy_(p)
+
+
+class TrainingRun:
+    """One `rhymerl train` run. `cost_model` fixes HistoSpec's forward-cost model instead of measuring it
+    (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
+
+    def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None):
+        self.cfg = cfg
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.run_dir = Path(resume_dir or cfg.run.output_dir or
+                            Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
+        self.start_step = 0
+
+        # ---- model: fp32 master weights for the trainer, a copy in the rollout dtype for the engine ----
+        self.model_dir = resolve_model_dir(cfg.model.name)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = load_decoder(ckpt or self.model_dir, torch.float32, device).train()
+        self.ref_model = None
+        if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
+            self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
+        rollout_dtype = torch.bfloat16 if cfg.rollout.dtype == "bf16" else torch.float32
+        self.rollout_model = copy.deepcopy(self.model).to(rollout_dtype).eval().requires_grad_(False)
+
+        # ---- data ----
+        self.train_prompts, self.val_prompts, self.data_notes = self._load_data()
+
+        # ---- history, engine, trainer, rewards ----
+        self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)
+        max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
+        self.engine = Engine(self.rollout_model, self.tokenizer, num_slots=cfg.rollout.num_slots, max_model_len=max_len,
+                             speculative=cfg.rollout.speculative, history=self.history,
+                             max_draft_tokens=cfg.rollout.max_draft_tokens, draft_rule=cfg.rollout.draft_rule,
+                             cost_model=cost_model)
+        self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
+                                     self.ref_model)
+        fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
+        self.scorer = RewardScorer(cfg.reward.format_weight, fn)
+        self.reward_errors = 0
+
+        if ckpt is not None:
+            state, trainer_state, history_state = load_checkpoint(ckpt)
+            self.trainer.load_state_dict(trainer_state)
+            set_rng_state(trainer_state["rng"])
+            if history_state is not None:
+                self.history.load_state_dict(history_state)
+            self.start_step = state["step"]
+            self.reward_errors = state.get("reward_errors", 0)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                                    config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, overrides: list[str] = (), **kw) -> "TrainingRun":
+        """Continue the run in `run_dir` from its latest checkpoint, with its saved config (+ overrides)."""
+        run_dir = Path(run_dir)
+        if latest_checkpoint(run_dir) is None:
+            raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
+        return cls(load_config(run_dir / "config.yaml", overrides), resume_dir=run_dir, **kw)
+
+    def _load_data(self) -> tuple[list[Prompt], list[Prompt], dict]:
+        d, notes = self.cfg.data, {}
+        if d.train_files:
+            loaded = read_dataset(d.train_files, skip_malformed=d.skip_malformed)
+            train, notes["data/skipped_rows"] = loaded.examples, len(loaded.skipped)
+            for msg in loaded.skipped[:5]:
+                print(f"[data] skipped {msg}", file=sys.stderr)
+            val = read_dataset(d.val_files, skip_malformed=d.skip_malformed).examples if d.val_files else []
+        else:
+            train = builtin_examples(d.task, d.num_train_prompts, self.cfg.run.seed)
+            seen = {ex.prompt for ex in train}  # held out: no validation prompt is also a training prompt
+            val = [ex for ex in builtin_examples(d.task, d.num_val_prompts * 2, self.cfg.run.seed + 7919)
+                   if ex.prompt not in seen][: d.num_val_prompts]
+        train_p, skipped = encode_prompts(self.tokenizer, train, d.max_prompt_length, "train")
+        val_p, skipped_val = encode_prompts(self.tokenizer, val, d.max_prompt_length, "val")
+        for msg in (skipped + skipped_val)[:5]:
+            print(f"[data] skipped {msg}", file=sys.stderr)
+        notes["data/skipped_long_prompts"] = len(skipped) + len(skipped_val)
+        if not train_p:
+            raise ValueError(f"no training prompts left (all {len(train)} longer than data.max_prompt_length="
+                             f"{d.max_prompt_length} tokens?)")
+        return train_p, val_p, notes
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str):
+        self.engine.stats = EngineStats()
+        if self.engine.speculator is not None:
+            self.engine.speculator.stats = SpecStats()
+        ids = [f"{tag}-p{i}-g{g}" for i in range(len(prompts)) for g in range(n)]
+        outs = self.engine.generate([p.ids for p in prompts for _ in range(n)], params, request_ids=ids)
+        bad = [o for o in outs if o.finish_reason == "error"]
+        if bad:
+            raise RuntimeError(f"rollout request {bad[0].request_id} was rejected: {bad[0].error}")
+        return outs
+
+    def _rollout_metrics(self, prefix: str) -> dict:
+        s = self.engine.stats
+        m = {f"{prefix}/tokens_per_s": s.generated_tokens / max(s.busy_s, 1e-9),
+             f"{prefix}/tokens_per_forward": s.tokens_per_seq_forward,
+             f"{prefix}/forward_passes": s.forward_passes}
+        if self.engine.speculator is not None:
+            sp = self.engine.speculator.stats
+            m |= {f"{prefix}/spec_accept_rate": sp.accept_rate, f"{prefix}/spec_drafted": sp.drafted,
+                  f"{prefix}/spec_accepted": sp.accepted, f"{prefix}/spec_mean_accepted_len": sp.mean_accepted_len,
+                  f"{prefix}/draft_time_share": sp.draft_s / max(s.busy_s, 1e-9)}
+            m |= {f"{prefix}/spec_accepted_{src}": v for src, v in sp.accepted_by_source.items()}
+        return m
+
+    def train_step(self, step: int) -> dict:
+        """Run step `step` (0-based) and return its metrics."""
+        cfg, r = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        rows = batch_indices(step, len(self.train_prompts), cfg.train.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+        prompts = [self.train_prompts[i] for i in rows]
+        G = r.num_generations
+        params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                max_tokens=r.max_completion_length, seed=cfg.run.seed)
+        outs = self._rollout(prompts, G, params, f"train-s{step}")
+        t1 = time.perf_counter()
+        examples = [p.example for p in prompts for _ in range(G)]
+        scored = self.scorer.score([o.text for o in outs], examples)
+        self.reward_errors += scored.errors
+        for msg in scored.error_messages[:3]:
+            tqdm.write(f"[reward] step {step}: {msg}", file=sys.stderr)
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)  # [P*G]
+        adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
+        for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
+            group = outs[i * G : (i + 1) * G]
+            self.history.record_rollout(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
+        t2 = time.perf_counter()
+        samples = [Sample(p_ids.ids, o.token_ids, o.logprobs, a)
+                   for p_ids, o, a in zip([p for p in prompts for _ in range(G)], outs, adv.tolist())]
+        metrics = self.trainer.update(samples)
+        t3 = time.perf_counter()
+        sync_weights(self.model, self.rollout_model)
+        t4 = time.perf_counter()
+
+        lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
+        metrics |= {
+            "critic/rewards/mean": rewards.mean().item(), "critic/rewards/max": rewards.max().item(),
+            "critic/rewards/min": rewards.min().item(),
+            "critic/score/mean": sum(scored.correct) / len(outs),
+            "critic/format/mean": sum(scored.formatted) / len(outs),
+            "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item(),
+            "critic/zero_std_frac": adv_stats["zero_std_frac"],
+            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "response_length/min": lengths.min().item(),
+            "response_length/clip_ratio": sum(o.finish_reason == "length" for o in outs) / len(outs),
+            "prompt_length/mean": sum(len(p.ids) for p in prompts) / len(prompts),
+            "reward/errors": scored.errors, "reward/errors_total": self.reward_errors,
+            "epoch": (step * cfg.train.prompts_per_step) // len(self.train_prompts),
+            "history/tokens": self.history.size().get("tokens", 0),
+            "timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "timing_s/update": t3 - t2,
+            "timing_s/sync": t4 - t3,
+        }
+        metrics |= self._rollout_metrics("rollout")
+        return metrics
+
+    def validate(self, step: int) -> dict:
+        """Held-out prompts, one response each at `val.temperature` (greedy by default), HistoSpec as in rollout."""
+        if not self.val_prompts:
+            return {}
+        t0 = time.perf_counter()
+        v = self.cfg.val
+        params = SamplingParams(temperature=v.temperature, max_tokens=v.max_completion_length, seed=self.cfg.run.seed)
+        outs = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
+        scored = self.scorer.score([o.text for o in outs], [p.example for p in self.val_prompts])
+        for p, o, rew in zip(self.val_prompts, outs, scored.rewards):
+            self.history.record_rollout(p.ids, [o.token_ids], [rew])
+        m = {"val/accuracy": sum(scored.correct) / len(outs), "val/reward/mean": sum(scored.rewards) / len(outs),
+             "val/response_length/mean": sum(len(o.token_ids) for o in outs) / len(outs),
+             "val/reward_errors": scored.errors}
+        m |= self._rollout_metrics("val")
+        m["timing_s/val"] = time.perf_counter() - t0
+        return m
+
+    def save(self, step: int) -> Path:
+        """Checkpoint after `step` completed steps."""
+        return save_checkpoint(
+            self.run_dir, step, hf_weights=to_hf_state_dict(self.model), model_dir=self.model_dir,
+            trainer_state=self.trainer.state_dict(), history_state=self.history.state_dict(),
+            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg)},
+            keep=self.cfg.run.keep_checkpoints)
+
+    def run(self) -> Path:
+        """Train from `start_step` to `train.total_steps`; returns the run directory."""
+        cfg = self.cfg
+        total = cfg.train.total_steps
+        bar = tqdm(total=total, initial=self.start_step, desc="train", unit="step", disable=not cfg.run.progress,
+                   dynamic_ncols=True)
+        try:
+            if self.start_step == 0 and cfg.val.every > 0:
+                self.logger.log(0, self.validate(0) | self.data_notes)  # the starting point of the curves
+            for step in range(self.start_step, total):
+                t0 = time.perf_counter()
+                m = self.train_step(step)
+                done = step + 1
+                if cfg.val.every > 0 and (done % cfg.val.every == 0 or done == total):
+                    m |= self.validate(done)
+                if done == total or (cfg.run.save_every > 0 and done % cfg.run.save_every == 0):
+                    t1 = time.perf_counter()
+                    self.save(done)
+                    m["timing_s/save"] = time.perf_counter() - t1
+                m["timing_s/step"] = time.perf_counter() - t0
+                self.logger.log(done, m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['critic/rewards/mean']:.3f}", acc=f"{m['critic/score/mean']:.2f}",
+                                tok_s=f"{m['rollout/tokens_per_s']:.0f}",
+                                accept=f"{m.get('rollout/spec_accept_rate', 0):.2f}")
+        finally:
+            bar.close()
+            self.logger.close()
+        return self.run_dir

@@ -1,0 +1,224 @@
+"""The policy update: micro-batched forward/backward of the GRPO loss, AdamW, clipping and the LR schedule.
+
+One optimizer step per rollout batch (times `num_iterations`, TRL's PPO epochs over the same batch).
+Gradients are accumulated over micro-batches so that the step equals one big-batch step: each micro-batch's
+loss is rescaled from its own normaliser to the whole batch's (tokens for dapo/bnpo, sequences for grpo and
+dr_grpo), so the sum over micro-batches is exactly the batch loss of `rl.losses.policy_loss`.
+
+Old log-probs are the rollout's (the engine returns the policy's log-prob of each sampled token, computed by
+the same module); `recompute_logprobs` recomputes them here instead. Either way the largest and mean absolute
+difference between the rollout's and the trainer's log-probs is reported (~0 in fp32; bf16 rounds a 1-token
+decode forward and a full-sequence training forward differently).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from rhymerl.config import TrainSection
+from rhymerl.model.decoder import CausalAttention, Decoder
+from rhymerl.rl.losses import entropy_from_logits, policy_loss
+
+
+@dataclass
+class Sample:
+    """One completion ready for the update."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # the rollout's log-prob of each completion token (behaviour policy)
+    advantage: float
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
+    """Learning-rate factor after `step` optimizer steps: linear warm-up, then constant / linear / cosine decay
+    to 0 at `total_steps` (the transformers schedules of the same names)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"train.lr_scheduler: unknown schedule {kind!r}")
+
+
+def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, autocast: torch.dtype | None,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T] (fp32) of each sample's completion tokens under `model` at `temperature`, the mask
+    [B, T] of real completion tokens, and (optionally, without grad) the entropy [B, T] of each position.
+
+    The batch is right-padded (causal attention never looks at the padding after a sequence, so no mask is
+    needed) and only the rows that predict a completion token go through the lm_head: its [rows, vocab]
+    output is the largest tensor of the update.
+    """
+    device = next(model.parameters()).device
+    inputs = [s.prompt_ids + s.completion_ids[:-1] for s in batch]  # the last token predicts nothing we need
+    B, S = len(batch), max(len(x) for x in inputs)
+    T = max(len(s.completion_ids) for s in batch)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    rows, cols, targets = [], [], []
+    for b, (s, x) in enumerate(zip(batch, inputs)):
+        ids[b, : len(x)] = torch.tensor(x)
+        start = len(s.prompt_ids) - 1  # position whose logits predict the first completion token
+        rows.extend(range(b * S + start, b * S + start + len(s.completion_ids)))
+        cols.extend((b, t) for t in range(len(s.completion_ids)))
+        targets.extend(s.completion_ids)
+    ids, rows_t = ids.to(device), torch.tensor(rows, device=device)
+    target = torch.tensor(targets, device=device)
+    positions = torch.arange(S, device=device).expand(B, S).reshape(-1)
+    ctx = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
+    with ctx:
+        logits = model.forward_packed(ids.reshape(-1), positions, CausalAttention(B, S), logit_rows=rows_t)  # [R, V]
+    x = logits.float() / temperature  # [R, V]
+    # log p(target) = x[target] - logsumexp(x): autograd keeps x and the normaliser, not a second [R, V] tensor
+    lp = x.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)  # [R]
+    b_idx = torch.tensor([c[0] for c in cols], device=device)
+    t_idx = torch.tensor([c[1] for c in cols], device=device)
+    logp = torch.zeros(B, T, device=device, dtype=lp.dtype).index_put((b_idx, t_idx), lp)  # [B, T]
+    mask = torch.zeros(B, T, device=device).index_put((b_idx, t_idx), torch.ones_like(lp))  # [B, T]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = entropy_from_logits(x.detach())  # [R]
+            entropy = torch.zeros(B, T, device=device).index_put((b_idx, t_idx), ent)  # [B, T]
+    return logp, mask, entropy
+
+
+def padded(values: list[list[float]], T: int, device) -> torch.Tensor:
+    """Right-pad ragged per-token values to [B, T] (zeros)."""
+    out = torch.zeros(len(values), T, device=device)
+    for b, v in enumerate(values):
+        out[b, : len(v)] = torch.tensor(v, dtype=out.dtype)
+    return out
+
+
+class PolicyTrainer:
+    """Owns the optimizer and schedule of `model` (fp32 master weights; bf16 autocast if configured)."""
+
+    def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
+                 ref_model: Decoder | None = None):
+        if cfg.beta > 0 and ref_model is None:
+            raise ValueError("train.beta > 0 needs a reference model")
+        self.model, self.cfg, self.ref_model = model, cfg, ref_model
+        # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_completion_length = max_completion_length
+        self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.total_steps,
+                                                                          cfg.lr_scheduler))
+
+    def _micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
+        # Similar lengths together: less padding. Sorting is stable, so the order is deterministic.
+        order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        m = self.cfg.micro_batch_size
+        return [order[i : i + m] for i in range(0, len(order), m)]
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step (per iteration) on a rollout batch; returns verl-style `actor/...` metrics."""
+        cfg = self.cfg
+        total_tokens = sum(len(s.completion_ids) for s in samples)
+        total_seqs = len(samples)
+        # A zero advantage gives a zero policy-gradient term whatever the ratio: without a KL term such
+        # sequences contribute nothing to the gradient, so they are not run at all (the normalisers above
+        # still count them, so the gradient is exactly that of the full batch).
+        trained = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
+        acc = {"loss": 0.0, "clip": 0.0, "clip_low": 0.0, "clip_high": 0.0, "ratio": 0.0, "kl": 0.0,
+               "ent": 0.0, "tok": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0}
+        grad_norm = 0.0
+        old = {id(s): s.logprobs for s in samples}
+        if cfg.recompute_logprobs and trained:
+            old = self._recompute(trained)
+        self.model.train()
+        for it in range(cfg.num_iterations):
+            for mb in self._micro_batches(trained):
+                self._micro_step(mb, old, it, total_tokens, total_seqs, acc)
+            if trained:
+                grad_norm = self._clip()
+            self.optimizer.step()  # without gradients (nothing trained) AdamW leaves every parameter alone
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()  # counted whether or not anything trained, so the schedule follows the step
+        n = max(acc["tok"], 1)
+        metrics = {
+            "actor/pg_loss": acc["loss"] / cfg.num_iterations,
+            "actor/pg_clipfrac": acc["clip"] / n, "actor/pg_clipfrac_lower": acc["clip_low"] / n,
+            "actor/pg_clipfrac_higher": acc["clip_high"] / n,
+            "actor/ratio_mean": acc["ratio"] / n if acc["tok"] else 1.0,
+            "actor/ppo_kl": acc["ppo_kl"] / n,
+            "actor/entropy": acc["ent"] / n,
+            "actor/grad_norm": grad_norm,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "actor/trained_seqs": len(trained), "actor/skipped_seqs": total_seqs - len(trained),
+            "actor/logprob_diff_max": acc["diff_max"],
+            "actor/logprob_diff_mean": acc["diff_sum"] / n,
+        }
+        if cfg.beta > 0:
+            metrics["actor/kl"] = acc["kl"] / n
+        return metrics
+
+    def _micro_step(self, mb: list[Sample], old: dict, iteration: int, total_tokens: int, total_seqs: int,
+                    acc: dict) -> None:
+        cfg = self.cfg
+        first = iteration == 0
+        logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=first)
+        T, device = logp.shape[1], logp.device
+        old_logp = padded([old[id(s)] for s in mb], T, device)  # [B, T]
+        adv = torch.tensor([s.advantage for s in mb], device=device)  # [B]
+        ref_logp = None
+        if cfg.beta > 0:
+            with torch.no_grad():
+                ref_logp, _, _ = token_logprobs(self.ref_model, mb, self.temperature, self.autocast)
+        loss, stats = policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high, cfg.loss_type,
+                                  self.max_completion_length, ref_logp, cfg.beta)
+        # From this micro-batch's normaliser to the whole batch's (see the module docstring).
+        tokens = int(mask.sum().item())
+        scale = tokens / total_tokens if cfg.loss_type in ("dapo", "bnpo") else len(mb) / total_seqs
+        (loss * scale).backward()
+        acc["loss"] += loss.item() * scale
+        if first:  # metrics of the rollout batch as sampled (later iterations see an updated policy)
+            acc["tok"] += tokens
+            acc["clip"] += stats["clipfrac"] * tokens
+            acc["clip_low"] += stats["clipfrac_low"] * tokens
+            acc["clip_high"] += stats["clipfrac_high"] * tokens
+            acc["ratio"] += stats["ratio_mean"] * tokens
+            acc["kl"] += stats.get("kl", 0.0) * tokens
+            acc["ent"] += (ent * mask).sum().item()
+            diff = ((logp.detach() - padded([s.logprobs for s in mb], T, device)).abs() * mask)
+            acc["diff_max"] = max(acc["diff_max"], diff.max().item())
+            acc["diff_sum"] += diff.sum().item()
+            acc["ppo_kl"] += ((old_logp - logp.detach()) * mask).sum().item()
+
+    @torch.no_grad()
+    def _recompute(self, samples: list[Sample]) -> dict:
+        """Old log-probs from the trainer's own forward (before any update of this batch)."""
+        self.model.eval()
+        out = {}
+        for mb in self._micro_batches(samples):
+            logp, _, _ = token_logprobs(self.model, mb, self.temperature, self.autocast)
+            for b, s in enumerate(mb):
+                out[id(s)] = logp[b, : len(s.completion_ids)].tolist()
+        return out
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.cfg.max_grad_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        grads = [p.grad.norm() for p in params if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

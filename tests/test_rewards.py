@@ -1,0 +1,198 @@
+"""Rewards: math answers, format, countdown dispatch, user reward functions and a scorer that never raises."""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+
+import pytest
+
+from rhymerl.data.dataset import Example
+from rhymerl.rl.rewards import (
+    RewardFunctionError, RewardScorer, default_score, final_answer, format_reward, load_reward_function,
+    math_reward)
+
+
+@pytest.mark.parametrize("completion, truth", [
+    ("48 + 24 = 72\n#### 72", "72"),
+    ("so the answer is \\boxed{72}.", "72"),
+    ("the answer is 72.", "72"),
+    ("#### 72.0", "72"),
+    ("#### 1,000", "1000"),
+    ("#### 1000", "1,000"),
+    ("#### $18", "18"),
+    ("#### 72 apples", "72"),
+    ("#### 72<|im_end|>", "72"),
+    ("\\boxed{\\frac{1}{2}}", "0.5"),
+    ("#### 1/2", "\\frac{1}{2}"),
+    ("#### 3\nwait, no\n#### 4\n", "4"),
+])
+def test_math_reward_correct(completion, truth):
+    assert math_reward(completion, truth) == 1.0
+
+
+@pytest.mark.parametrize("completion, truth", [
+    ("#### 71", "72"),
+    ("\\boxed{73}", "72"),
+    ("72 is wrong, it is 70", "72"),
+    ("no numbers at all", "72"),
+    ("", "72"),
+    ("#### 7.2", "72"),
+    ("#### 100", "1,000"),
+])
+def test_math_reward_wrong(completion, truth):
+    assert math_reward(completion, truth) == 0.0
+
+
+def test_math_reward_off_the_main_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(math_reward("\\boxed{\\frac{6}{4}}", "1.5")))
+    thread.start()
+    thread.join()
+    assert results == [1.0]
+
+
+def test_final_answer():
+    assert final_answer("#### 72\n") == "72"
+    assert final_answer("\\boxed{x^{2}}") == "x^{2}"
+    assert final_answer("got 1,234, done") == "1,234"
+    assert final_answer("nothing") is None
+    assert final_answer("so 5-3 makes 2") == "2" and final_answer("it was 5-3") == "3"
+    assert final_answer("it fell to -3.") == "-3"
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("work\n#### 72", 1.0),
+    ("work\n#### 72  \n<|im_end|>", 1.0),
+    ("work\n#### 72</s>", 1.0),
+    ("it is \\boxed{72} I think", 1.0),
+    ("work\n#### \n", 0.0),
+    ("#### 72\nand then more text", 0.0),
+    ("the answer is 72", 0.0),
+    ("\\boxed{}", 0.0),
+])
+def test_format_reward(completion, expected):
+    assert format_reward(completion) == expected
+
+
+def test_default_score_dispatches_on_data_source():
+    truth = '{"numbers": [3, 5, 2], "target": 16}'
+    assert default_score("countdown", "#### (3 + 5) * 2", truth) == 1.0
+    assert default_score("countdown", "#### 16", truth) == 0.0
+    assert default_score("gsm8k", "#### 16", "16") == 1.0
+    assert default_score("openai/gsm8k", "#### 16", "16") == 1.0
+    with pytest.raises(ValueError):
+        default_score("countdown", "#### 16", "16")
+
+
+def example(truth="4", source="row#1", data_source="math", prompt="2+2?"):
+    return Example(prompt, truth, data_source, source)
+
+
+def test_scorer_default_with_format_weight():
+    batch = RewardScorer(format_weight=0.5).score(
+        ["#### 4", "it is 4", "#### 5"], [example(), example(), example()])
+    assert batch.correct == [1.0, 1.0, 0.0]
+    assert batch.formatted == [1.0, 0.0, 1.0]
+    assert batch.rewards == [1.5, 1.0, 0.5]
+    assert batch.errors == 0 and batch.error_messages == []
+
+
+def test_scorer_counts_failing_functions():
+    def fn(completion, ground_truth, data_source, prompt):
+        if completion == "raise":
+            raise KeyError("boom")
+        if completion == "nan":
+            return math.nan
+        if completion == "inf":
+            return math.inf
+        if completion == "text":
+            return "1.0"
+        if completion == "dict":
+            return {"score": 0.25}
+        if completion == "bool":
+            return True
+        return 0.75
+
+    completions = ["raise", "nan", "ok", "text", "inf", "dict", "bool"]
+    examples = [example(source=f"data.jsonl:{i + 1}") for i in range(len(completions))]
+    batch = RewardScorer(function=fn).score(completions, examples)
+    assert batch.correct == [0.0, 0.0, 0.75, 0.0, 0.0, 0.25, 1.0]
+    assert batch.rewards == batch.correct
+    assert batch.errors == 4
+    assert batch.error_messages[0].startswith("data.jsonl:1:") and "KeyError" in batch.error_messages[0]
+    assert "nan" in batch.error_messages[1] and "data.jsonl:4:" in batch.error_messages[2]
+
+
+def test_scorer_bad_countdown_truth_is_an_error_not_a_crash():
+    batch = RewardScorer().score(["#### 1 + 2"], [example("not json", data_source="countdown")])
+    assert batch.correct == [0.0] and batch.errors == 1
+
+
+def test_scorer_keeps_only_the_first_messages():
+    def fn(**kwargs):
+        raise RuntimeError("always")
+
+    batch = RewardScorer(function=fn).score(["x"] * 20, [example(source=f"s{i}") for i in range(20)])
+    assert batch.errors == 20 and len(batch.error_messages) == 5
+
+
+def test_scorer_passes_prompt_and_fields_by_keyword():
+    seen = []
+
+    def fn(*, completion, ground_truth, data_source, prompt):
+        seen.append((completion, ground_truth, data_source, prompt))
+        return 1
+
+    chat = (("system", "s"), ("user", "u"))
+    RewardScorer(function=fn).score(["a", "b"], [example(), example(prompt=chat, data_source="verl")])
+    assert seen == [("a", "4", "math", "2+2?"),
+                    ("b", "4", "verl", [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])]
+
+
+def test_scorer_length_mismatch():
+    with pytest.raises(ValueError, match="2 completions for 1 examples"):
+        RewardScorer().score(["a", "b"], [example()])
+
+
+def test_load_reward_function_from_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def score(completion, ground_truth, data_source, prompt):\n"
+                    "    return float(completion.strip() == ground_truth)\n"
+                    "NOT_CALLABLE = 3\n")
+    fn = load_reward_function(f"{path}:score")
+    assert RewardScorer(function=fn).score(["4", "5"], [example(), example()]).correct == [1.0, 0.0]
+
+    with pytest.raises(RewardFunctionError, match="has no attribute 'missing'"):
+        load_reward_function(f"{path}:missing")
+    with pytest.raises(RewardFunctionError, match="not callable"):
+        load_reward_function(f"{path}:NOT_CALLABLE")
+    with pytest.raises(RewardFunctionError, match="nope.py' not found"):
+        load_reward_function(f"{tmp_path}/nope.py:score")
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere_xyz\n")
+    with pytest.raises(RewardFunctionError, match="broken.py.*ModuleNotFoundError"):
+        load_reward_function(f"{broken}:score")
+
+
+def test_load_reward_function_from_module(tmp_path, monkeypatch):
+    (tmp_path / "reward_pkg_xyz").mkdir()
+    (tmp_path / "reward_pkg_xyz" / "__init__.py").write_text("")
+    (tmp_path / "reward_pkg_xyz" / "scores.py").write_text("def exact(**kw):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_reward_function("reward_pkg_xyz.scores:exact")() == 1.0
+        assert load_reward_function("rhymerl.rl.rewards:math_reward") is math_reward
+        with pytest.raises(RewardFunctionError, match="module 'reward_pkg_xyz.nothing' not found"):
+            load_reward_function("reward_pkg_xyz.nothing:f")
+        with pytest.raises(RewardFunctionError, match="module 'no_such_pkg_xyz' not found"):
+            load_reward_function("no_such_pkg_xyz:f")
+        with pytest.raises(RewardFunctionError, match="expected 'package.module:function'"):
+            load_reward_function("reward_pkg_xyz.scores")
+        with pytest.raises(RewardFunctionError, match="expected"):
+            load_reward_function("reward_pkg_xyz.scores:")
+    finally:
+        for name in [n for n in sys.modules if n.startswith("reward_pkg_xyz")]:
+            del sys.modules[name]
