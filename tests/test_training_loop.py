@@ -1,0 +1,174 @@
+"""The RL loop end to end on a tiny random model (with the real tokenizer, so chat templates and text rewards
+are real): spec on/off fidelity, exact resume after SIGKILL, reward errors, data errors, checkpoints that
+transformers loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rhymerl.config import ConfigError, load_config
+from rhymerl.data.dataset import DatasetError
+from rhymerl.engine.speculator import CostModel
+from rhymerl.metrics import read_metrics
+from rhymerl.rl.checkpoint import latest_checkpoint
+from rhymerl.rl.loop import TrainingRun, batch_indices
+
+EMBED_STD = 0.8
+FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
+
+# A reward that varies between completions of random text, so advantages (and the updates) are non-zero.
+REWARD_PY = '''
+def vowels(completion, ground_truth, data_source, prompt):
+    text = completion or " "
+    return sum(c in "aeiou" for c in text) / len(text)
+
+CALLS = [0]
+
+def flaky(completion, ground_truth, data_source, prompt):
+    CALLS[0] += 1
+    if CALLS[0] % 3 == 0:
+        raise RuntimeError("scorer crashed")
+    if CALLS[0] % 3 == 1:
+        return float("nan")
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("tiny-smol")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    # Large embeddings make peaked logits (entropy ~0.5 nats): responses vary within a group (non-zero
+    # advantages) yet repeat enough across epochs for HistoSpec to draft from history.
+    model.model.embed_tokens.weight.data.normal_(0, EMBED_STD)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    (path / "reward_fns.py").write_text(REWARD_PY)
+    return path
+
+
+def _overrides(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model.name={tiny_dir}", f"run.output_dir={out}", "data.num_train_prompts=4", "data.num_val_prompts=2",
+            "train.prompts_per_step=2", "rollout.num_generations=3", "rollout.max_completion_length=8",
+            "val.max_completion_length=6", "rollout.num_slots=6", "train.micro_batch_size=4",
+            "train.learning_rate=0.01", "train.dtype=fp32", "rollout.dtype=fp32", "run.progress=false",
+            "run.tensorboard=false", f"reward.function={tiny_dir / 'reward_fns.py'}:vowels", *extra]
+
+
+# Metrics that depend on wall time or speculation, not on what was learned.
+_TIMING = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes")
+
+
+def _learned(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in _TIMING)} for r in rows]
+
+
+def test_batch_indices_cover_each_epoch_once():
+    rows = [i for s in range(6) for i in batch_indices(s, 4, 2, seed=3, shuffle=True)]
+    assert sorted(rows[:4]) == [0, 1, 2, 3] and sorted(rows[4:8]) == [0, 1, 2, 3] and sorted(rows[8:]) == [0, 1, 2, 3]
+    assert rows[:4] != rows[4:8] or rows[4:8] != rows[8:]  # reshuffled each epoch
+    assert batch_indices(5, 4, 2, 3, True) == batch_indices(5, 4, 2, 3, True)
+
+
+def test_speculation_on_and_off_train_identically(tiny_dir, tmp_path):
+    """Fidelity: same seed, same rollouts, same rewards and losses, step after step (fp32)."""
+    runs = {}
+    for mode in ("off", "histospec"):
+        cfg = load_config(None, _overrides(tiny_dir, tmp_path / mode, f"rollout.speculative={mode}",
+                                           "train.total_steps=4", "val.every=2", "run.save_every=0"))
+        runs[mode] = read_metrics(TrainingRun(cfg, cost_model=FLAT).run())
+    off, spec = _learned(runs["off"]), _learned(runs["histospec"])
+    assert [r["step"] for r in off] == [0, 1, 2, 3, 4]
+    for a, b in zip(off, spec):
+        for key in ("critic/rewards/mean", "response_length/mean", "val/accuracy"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    assert any(r.get("actor/trained_seqs", 0) > 0 for r in off)  # the test trains, not just rolls out
+    later = [r for r in runs["histospec"] if r["step"] > 2 and "rollout/spec_drafted" in r]
+    assert sum(r["rollout/spec_drafted"] for r in later) > 0  # the second epoch drafts from history
+
+
+def _train_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rhymerl.cli", "train", *args]
+
+
+def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
+    common = ["train.total_steps=5", "run.save_every=2", "val.every=2", "rollout.speculative=histospec"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    full = tmp_path / "full"
+    subprocess.run(_train_cmd(*_overrides(tiny_dir, full, *common)), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(*_overrides(tiny_dir, killed, *common)), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (killed / "checkpoints" / "step_000002" / "state.json").exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert latest_checkpoint(killed) is not None
+    subprocess.run(_train_cmd("--resume", str(killed)), check=True, env=env, capture_output=True)
+
+    a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:  # fp32: drafts differ with timing, tokens and rewards may not; losses to float rounding
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
+    # The final checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
+    hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(killed), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 200, 3000]])
+    assert not torch.allclose(hf(ids).logits, base(ids).logits)
+    ours = TrainingRun.resume(killed).model
+    torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_reward_errors_are_counted_and_do_not_stop_the_run(tiny_dir, tmp_path):
+    cfg = load_config(None, _overrides(tiny_dir, tmp_path / "r", "train.total_steps=2", "val.every=0",
+                                       f"reward.function={tiny_dir / 'reward_fns.py'}:flaky"))
+    rows = read_metrics(TrainingRun(cfg, cost_model=FLAT).run())
+    assert rows[-1]["reward/errors_total"] == sum(r["reward/errors"] for r in rows) > 0
+    assert all(r["critic/rewards/max"] <= 1.0 + 0.1 for r in rows)  # errors scored 0, never NaN
+
+
+def test_malformed_dataset_rows_fail_with_location_or_are_skipped(tiny_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+    data.write_text("\n".join([json.dumps(good), json.dumps({"question": 7, "answer": "#### 1"}),
+                               json.dumps(good), "{not json"]) + "\n")
+    base = _overrides(tiny_dir, tmp_path / "d", "train.total_steps=1", "val.every=0", f"data.train_files={data}",
+                      "reward.function=")
+    with pytest.raises(DatasetError, match=r"train.jsonl:2.*question"):
+        TrainingRun(load_config(None, base))
+    run = TrainingRun(load_config(None, base + ["data.skip_malformed=true"]), cost_model=FLAT)
+    assert len(run.train_prompts) == 2 and run.data_notes["data/skipped_rows"] == 2
+    rows = read_metrics(run.run())
+    assert rows[-1]["step"] == 1
+
+
+def test_bad_config_names_the_key(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        load_config(None, _overrides(tiny_dir, tmp_path, "rollout.temperature=-1"))
+    proc = subprocess.run(_train_cmd("rollout.num_generation=4"), capture_output=True, text=True)
+    assert proc.returncode == 2 and "rollout.num_generations" in proc.stderr
