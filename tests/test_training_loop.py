@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from rhymerl.bench import e2e_bench, spec_bench
 from rhymerl.config import ConfigError, load_config
 from rhymerl.data.dataset import DatasetError
 from rhymerl.engine.speculator import CostModel
@@ -172,3 +173,44 @@ def test_bad_config_names_the_key(tiny_dir, tmp_path):
         load_config(None, _overrides(tiny_dir, tmp_path, "rollout.temperature=-1"))
     proc = subprocess.run(_train_cmd("rollout.num_generation=4"), capture_output=True, text=True)
     assert proc.returncode == 2 and "rollout.num_generations" in proc.stderr
+
+
+def test_lora_trains_adapters_only_and_resumes_exactly(tiny_dir, tmp_path):
+    lora = ["model.lora_r=4", "model.lora_alpha=8", "val.every=0", "run.save_every=2", "rollout.speculative=off"]
+    full = TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "full", *lora, "train.total_steps=4")))
+    base = {n: p.detach().clone() for n, p in full.model.named_parameters() if "lora_" not in n}
+    assert all(not p.requires_grad for n, p in full.model.named_parameters() if "lora_" not in n)
+    rows_full = read_metrics(full.run())
+    assert all(torch.equal(base[n], p) for n, p in full.model.named_parameters() if "lora_" not in n)
+    assert any(r.get("actor/trained_seqs", 0) > 0 for r in rows_full)
+    # The rollout model got the merged weights: it differs from the base now.
+    assert not torch.equal(full.rollout_model.layers[0].mlp.down_proj.weight, base["layers.0.mlp.down_proj.base_layer.weight"])
+
+    half = TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "half", *lora, "train.total_steps=2")))
+    half.run()
+    resumed = TrainingRun.resume(tmp_path / "half", ["train.total_steps=4"])
+    assert resumed.start_step == 2
+    rows = read_metrics(resumed.run())
+    assert _learned(rows) == _learned(rows_full)
+    hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "half"), dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 200, 3000]])
+    torch.testing.assert_close(resumed.model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
+    cfg = load_config(None, _overrides(tiny_dir, tmp_path / "run", "train.total_steps=2", "val.every=0"))
+    run_dir = TrainingRun(cfg, cost_model=FLAT).run()
+    s = spec_bench.run("unused", "fp32", (1.0,), num_prompts=4, num_generations=2, slots=4, max_tokens=8,
+                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir)
+    row = s["temperatures"]["1.0"]
+    assert s["data"] == f"history-from:{run_dir}" and s["num_prompts"] == 4
+    assert row["identity_rate"] == 1.0 and row["tokens_plain"] == row["tokens_spec"]
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        spec_bench.run("unused", "fp32", (1.0,), history_from=tmp_path)
+
+
+def test_bench_e2e_rhymerl_side_curves_match(tiny_dir):
+    s = e2e_bench.run(str(tiny_dir), "fp32", num_prompts=4, prompts_per_step=2, num_generations=3,
+                      max_completion_length=8, micro_batch_size=3, learning_rate=0.01, epochs=2, skip_trl=True)
+    assert s["steps"] == 4 and s["reward_curve_max_abs_diff"] == 0.0
+    assert len(s["runs"]["off"]["reward_by_step"]) == 4 and "trl" not in s["runs"]

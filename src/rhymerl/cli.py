@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rhymerl import report
-from rhymerl.bench import engine_bench, spec_bench
+from rhymerl.bench import e2e_bench, engine_bench, spec_bench
 from rhymerl.config import config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
@@ -93,8 +93,17 @@ def cmd_bench_spec(args) -> int:
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
-                             args.max_draft_tokens)
+                             args.max_draft_tokens, args.history_from)
     spec_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_bench_e2e(args) -> int:
+    summary = e2e_bench.run(args.model, args.dtype, args.num_prompts, args.prompts_per_step, args.num_generations,
+                            args.max_completion_length, args.micro_batch_size, args.learning_rate, args.epochs,
+                            args.temperature, args.format_weight, args.seed, args.skip_trl)
+    e2e_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
 
@@ -163,7 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling", "cost"])
     bs.add_argument("--max-draft-tokens", type=int, default=32)
     bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
+                    help="draft from a training run's saved history (and use its policy and prompts)")
     bs.set_defaults(func=cmd_bench_spec)
+    b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)")
+    b2.add_argument("--model", default="smollm2-135m")
+    b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
+    b2.add_argument("--num-prompts", type=int, default=8, help="size of the built-in prompt set")
+    b2.add_argument("--prompts-per-step", type=int, default=2)
+    b2.add_argument("--num-generations", type=int, default=4)
+    b2.add_argument("--max-completion-length", type=int, default=128)
+    b2.add_argument("--micro-batch-size", type=int, default=8)
+    b2.add_argument("--learning-rate", type=float, default=1e-5)
+    b2.add_argument("--epochs", type=int, default=3, help="passes over the prompt set")
+    b2.add_argument("--temperature", type=float, default=1.0)
+    b2.add_argument("--format-weight", type=float, default=0.2)
+    b2.add_argument("--seed", type=int, default=0)
+    b2.add_argument("--skip-trl", action="store_true", help="only the two rhymerl runs")
+    b2.set_defaults(func=cmd_bench_e2e)
     return p
 
 

@@ -83,7 +83,7 @@ class DataSection:
 class RewardSection:
     """How completions are scored."""
 
-    format_weight: float = _opt(0.1, "weight of the format reward added to correctness")
+    format_weight: float = _opt(0.2, "weight of the format reward added to correctness")
     function: str = _opt("", "user reward 'module:function' or 'path/to/file.py:function'; "
                               "replaces the built-in scorer")
 
@@ -93,7 +93,7 @@ class RolloutSection:
     """Generation of the completions (the rollout engine)."""
 
     num_generations: int = _opt(8, "completions per prompt (the GRPO group size, >= 2)")
-    max_completion_length: int = _opt(160, "max new tokens per completion")
+    max_completion_length: int = _opt(128, "max new tokens per completion")
     temperature: float = _opt(1.0, "sampling temperature (0 = greedy)")
     top_p: float = _opt(1.0, "nucleus sampling, in (0, 1]")
     top_k: int = _opt(0, "top-k sampling (0 = off)")
@@ -112,7 +112,7 @@ class TrainSection:
     total_steps: int = _opt(40, "optimiser steps (each on one rollout batch)")
     prompts_per_step: int = _opt(4, "prompts per rollout batch (x num_generations completions)")
     micro_batch_size: int = _opt(8, "sequences per forward/backward")
-    learning_rate: float = _opt(1e-5, "peak learning rate")
+    learning_rate: float = _opt(2e-5, "peak learning rate")
     lr_scheduler: str = _opt("constant", "learning-rate schedule after warmup", LR_SCHEDULERS)
     warmup_steps: int = _opt(0, "linear warmup steps")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -135,7 +135,7 @@ class ValSection:
 
     every: int = _opt(10, "validate every N steps (0 = never); also at the end")
     temperature: float = _opt(0.0, "sampling temperature (0 = greedy)")
-    max_completion_length: int = _opt(160, "max new tokens per completion")
+    max_completion_length: int = _opt(128, "max new tokens per completion")
 
 
 @dataclass

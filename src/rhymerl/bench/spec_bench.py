@@ -5,6 +5,10 @@ runs the same prompts with a new seed twice, plain and HistoSpec, with identical
 so the two must produce the same tokens (checked in fp32 on a subset; bf16 rounds a 1-token and a
 many-token forward differently, so its identity rate is only reported). The long tail is measured like for
 like: the 4 longest requests of the plain run, run alone in 4 slots, plain and HistoSpec.
+
+With `history_from=RUN_DIR` the history is a real training run's instead: the policy and the history store of
+the run's latest checkpoint, and the prompts it holds (the run's training and validation prompts); epoch 2 is
+then the run's next epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rich.table import Table
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.spec.history import HistoryStore
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 from rhymerl.tasks.prompt_file import read_prompt_file
@@ -66,9 +71,23 @@ def identity(a, b) -> float:
 
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=4, identity_max_tokens=96,
-        seed=0, draft_rule="aimd", max_draft_tokens=32) -> dict:
+        seed=0, draft_rule="aimd", max_draft_tokens=32, history_from=None) -> dict:
+    run_history = None
+    if history_from is not None:
+        ckpt = latest_checkpoint(Path(history_from))
+        if ckpt is None:
+            raise FileNotFoundError(f"--history-from {history_from}: no checkpoint in {Path(history_from) / 'checkpoints'}")
+        history_state = load_checkpoint(ckpt)[2]
+        if history_state is None:
+            raise FileNotFoundError(f"--history-from {history_from}: {ckpt} has no history.json")
+        run_history = HistoryStore()
+        run_history.load_state_dict(history_state)
+        model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, "cpu")
-    prompts = load_prompts(tokenizer, data, num_prompts, seed)
+    if run_history is not None:
+        prompts = [run_history.prompt(k) for k in run_history.keys()][-num_prompts:]  # most recently used
+    else:
+        prompts = load_prompts(tokenizer, data, num_prompts, seed)
     max_len = max(map(len, prompts)) + max_tokens
     fp32 = load_pretrained(model_name, "fp32", "cpu")[0] if identity_prompts else None
 
@@ -80,10 +99,13 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
     for temp in temperatures:
         epoch1 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 1000)
         epoch2 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000)
-        history = HistoryStore()
-        outs1, _ = rollout(make(model, "off"), prompts, num_generations, epoch1)
-        for i, p in enumerate(prompts):
-            history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
+        if run_history is not None:
+            history = run_history
+        else:
+            history = HistoryStore()
+            outs1, _ = rollout(make(model, "off"), prompts, num_generations, epoch1)
+            for i, p in enumerate(prompts):
+                history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
         plain_engine, spec_engine = make(model, "off"), make(model, "histospec", history)
         plain, plain_s = rollout(plain_engine, prompts, num_generations, epoch2)
         spec, spec_s = rollout(spec_engine, prompts, num_generations, epoch2)
@@ -123,7 +145,8 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
         results[str(temp)] = row
     return {"model": model_name, "dtype": dtype, "device": "cpu", "threads": torch.get_num_threads(),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
-            "max_tokens": max_tokens, "draft_rule": draft_rule, "data": data or "builtin:arithmetic",
+            "max_tokens": max_tokens, "draft_rule": draft_rule,
+            "data": f"history-from:{history_from}" if history_from else data or "builtin:arithmetic",
             "temperatures": results}
 
 

@@ -28,3 +28,16 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the OS (glibc malloc_trim). With the thresholds above freed
+    memory otherwise stays in the process; call between phases that allocate very differently (the
+    trainer's backward pass after a rollout), so their peaks do not add up. False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

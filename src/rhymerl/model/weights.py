@@ -76,15 +76,16 @@ def load_decoder(model_dir: str | Path, dtype: torch.dtype = torch.float32, devi
     return model.to(device).eval()
 
 
-def to_hf_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
-    """The decoder's weights under Hugging Face names (fused parameters split back)."""
+def to_hf_state_dict(model: Decoder, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The decoder's weights under Hugging Face names (fused parameters split back). `params` (Decoder names)
+    replaces the model's own parameters, e.g. with LoRA-merged weights."""
     cfg = model.cfg
     sizes = {
         "self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim],
         "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
     }
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in (params if params is not None else dict(model.named_parameters())).items():
         parts = _hf_names(name)
         if len(parts) == 1:
             out[parts[0]] = param.detach().contiguous()

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.data.dataset import Example, builtin_examples, read_dataset
+from rhymerl.engine.allocator import release_freed_memory
 from rhymerl.engine.engine import Engine, EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.speculator import CostModel, SpecStats
@@ -33,6 +34,7 @@ from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.spec.history import HistoryStore
@@ -69,13 +71,12 @@ def encode_prompts(tokenizer, examples: list[Example], max_len: int, what: str) 
     return kept, skipped
 
 
-def sync_weights(src: Decoder, dst: Decoder) -> None:
-    """Copy the trainer's weights into the rollout engine's model (casting to its dtype). The engine's
-    prepacked copies notice the new weight versions and repack on their next use."""
-    dst_params = dict(dst.named_parameters())
+def sync_weights(params: dict[str, torch.Tensor], dst: Decoder) -> None:
+    """Copy the trainer's weights (Decoder names, LoRA merged) into the rollout engine's model, casting to its
+    dtype. The engine's prepacked copies notice the new weight versions and repack on their next use."""
     with torch.no_grad():
-        for name, p in src.named_parameters():
-            dst_params[name].copy_(p)
+        for name, p in dst.named_parameters():
+            p.copy_(params[name])
 
 
 class TrainingRun:
@@ -96,12 +97,17 @@ class TrainingRun:
         self.model_dir = resolve_model_dir(cfg.model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = load_decoder(ckpt or self.model_dir, torch.float32, device).train()
+        lora = cfg.model.lora_r > 0
+        # With LoRA the checkpoint's merged weights cannot be split back into base + adapter, so a LoRA run
+        # restarts from the base model and reloads its adapter (and base) from trainer.pt below.
+        self.model = load_decoder(ckpt if ckpt and not lora else self.model_dir, torch.float32, device).train()
         self.ref_model = None
         if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
             self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
         rollout_dtype = torch.bfloat16 if cfg.rollout.dtype == "bf16" else torch.float32
         self.rollout_model = copy.deepcopy(self.model).to(rollout_dtype).eval().requires_grad_(False)
+        if lora:
+            add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
         # ---- data ----
         self.train_prompts, self.val_prompts, self.data_notes = self._load_data()
@@ -121,6 +127,9 @@ class TrainingRun:
 
         if ckpt is not None:
             state, trainer_state, history_state = load_checkpoint(ckpt)
+            if lora:
+                self.model.load_state_dict(trainer_state["lora_model"])
+                sync_weights(merged_parameters(self.model), self.rollout_model)
             self.trainer.load_state_dict(trainer_state)
             set_rng_state(trainer_state["rng"])
             if history_state is not None:
@@ -212,8 +221,9 @@ class TrainingRun:
         samples = [Sample(p_ids.ids, o.token_ids, o.logprobs, a)
                    for p_ids, o, a in zip([p for p in prompts for _ in range(G)], outs, adv.tolist())]
         metrics = self.trainer.update(samples)
+        release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
         t3 = time.perf_counter()
-        sync_weights(self.model, self.rollout_model)
+        sync_weights(merged_parameters(self.model), self.rollout_model)
         t4 = time.perf_counter()
 
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
@@ -257,9 +267,12 @@ class TrainingRun:
 
     def save(self, step: int) -> Path:
         """Checkpoint after `step` completed steps."""
+        trainer_state = self.trainer.state_dict()
+        if self.cfg.model.lora_r > 0:  # base + adapters, for an exact resume (the HF weights are merged)
+            trainer_state["lora_model"] = self.model.state_dict()
         return save_checkpoint(
-            self.run_dir, step, hf_weights=to_hf_state_dict(self.model), model_dir=self.model_dir,
-            trainer_state=self.trainer.state_dict(), history_state=self.history.state_dict(),
+            self.run_dir, step, hf_weights=to_hf_state_dict(self.model, merged_parameters(self.model)),
+            model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
             state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg)},
             keep=self.cfg.run.keep_checkpoints)
 

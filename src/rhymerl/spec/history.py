@@ -198,6 +198,10 @@ class HistoryStore:
         return [Rollout([r.tolist() for r in responses], list(rewards))
                 for responses, rewards in entry.rollouts]
 
+    def keys(self) -> list[str]:
+        """The keys of every stored prompt, least recently used first."""
+        return list(self._entries)
+
     def prompt(self, key: str) -> list[int] | None:
         """The prompt stored under `key`, or None."""
         entry = self._entries.get(key)

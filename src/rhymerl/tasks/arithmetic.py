@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena"]
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells"]
-INSTRUCTION = "Solve the problem. End your answer with the final number after '####'."
+# A short, concrete format example: a 135M model follows "like this: #### 12" about twice as often as an
+# abstract instruction (measured: 19% vs 9% of completions at temperature 0.7), so rewards have signal.
+INSTRUCTION = "Give a short calculation, then the final number after '####', like this: #### 12"
 
 
 @dataclass(frozen=True)

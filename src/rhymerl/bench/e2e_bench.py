@@ -1,0 +1,127 @@
+"""`rhymerl bench e2e`: seconds per GRPO step, TRL's GRPOTrainer vs rhymerl (speculation off, HistoSpec).
+
+All three train the same model on the same built-in prompt set with the same reward, num_generations,
+prompts per step, max_completion_length, micro-batch size, learning rate, optimizer, loss and dtype, for the
+same number of steps (several epochs of the prompt set, so HistoSpec has history from the second epoch on).
+A step is rollout + reward + update (+ weight sync for rhymerl); start-up and checkpoint writing are not
+counted on either side. rhymerl's off and HistoSpec runs share the seed, so their reward curves must match
+(exactly in fp32; in bf16 a many-token verification forward rounds differently, and the drift is reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rhymerl.bench.trl_baseline import run_trl_grpo
+from rhymerl.config import load_config
+from rhymerl.data.dataset import Example, builtin_examples
+from rhymerl.metrics import read_metrics
+from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.rl.loop import TrainingRun
+from rhymerl.rl.rewards import RewardScorer
+
+
+def _per_epoch(values: list[float], steps_per_epoch: int) -> list[float]:
+    return [round(statistics.mean(values[i : i + steps_per_epoch]), 2) for i in range(0, len(values), steps_per_epoch)]
+
+
+def _summarise(step_s: list[float], rollout_s: list[float], rewards: list[float], steps_per_epoch: int) -> dict:
+    return {"s_per_step": round(statistics.median(step_s), 2),
+            "s_per_step_by_epoch": _per_epoch(step_s, steps_per_epoch),
+            "rollout_share": round(sum(rollout_s) / sum(step_s), 3),
+            "total_s": round(sum(step_s), 1),
+            "reward_by_step": [round(r, 4) for r in rewards],
+            "final_reward": round(statistics.mean(rewards[-steps_per_epoch:]), 4)}
+
+
+def run_rhymerl(overrides: list[str], out_dir: Path, steps_per_epoch: int) -> dict:
+    run = TrainingRun(load_config(None, overrides + [f"run.output_dir={out_dir}"]))
+    rows = [r for r in read_metrics(run.run()) if "timing_s/step" in r]
+    # The final checkpoint is written inside the last step; TRL saves nothing, so it is not counted.
+    step_s = [r["timing_s/step"] - r.get("timing_s/save", 0.0) for r in rows]
+    out = _summarise(step_s, [r["timing_s/rollout"] for r in rows], [r["critic/rewards/mean"] for r in rows],
+                     steps_per_epoch)
+    out["update_s"] = round(statistics.median(r["timing_s/update"] for r in rows), 2)
+    out["rollout_s"] = round(statistics.median(r["timing_s/rollout"] for r in rows), 2)
+    out["trained_seq_frac"] = round(sum(r["actor/trained_seqs"] for r in rows) /
+                                    sum(r["actor/trained_seqs"] + r["actor/skipped_seqs"] for r in rows), 3)
+    if "rollout/spec_accept_rate" in rows[-1]:
+        out["accept_rate"] = round(statistics.mean(r["rollout/spec_accept_rate"] for r in rows[steps_per_epoch:]), 3)
+        out["tokens_per_forward"] = round(statistics.mean(r["rollout/tokens_per_forward"] for r in rows[steps_per_epoch:]), 3)
+    return out
+
+
+def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, prompts_per_step: int = 2,
+        num_generations: int = 4, max_completion_length: int = 128, micro_batch_size: int = 8,
+        learning_rate: float = 1e-5, epochs: int = 3, temperature: float = 1.0, format_weight: float = 0.2,
+        seed: int = 0, skip_trl: bool = False) -> dict:
+    steps_per_epoch = num_prompts // prompts_per_step
+    if steps_per_epoch * prompts_per_step != num_prompts:
+        raise ValueError(f"num_prompts ({num_prompts}) must be a multiple of prompts_per_step ({prompts_per_step})")
+    steps = epochs * steps_per_epoch
+    model_dir = resolve_model_dir(model)
+    common = [f"model.name={model_dir}", "data.task=arithmetic", f"data.num_train_prompts={num_prompts}",
+              "val.every=0", f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
+              f"rollout.max_completion_length={max_completion_length}", f"train.micro_batch_size={micro_batch_size}",
+              f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
+              f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"reward.format_weight={format_weight}",
+              f"rollout.num_slots={prompts_per_step * num_generations}", f"run.seed={seed}", "run.save_every=0",
+              "run.progress=false", "run.tensorboard=false"]
+    work = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
+    results: dict = {}
+    if not skip_trl:
+        examples = builtin_examples("arithmetic", num_prompts, seed)
+        scorer = RewardScorer(format_weight)
+
+        def reward_fn(texts: list[str], truths: list[str]) -> list[float]:
+            return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths]).rewards
+
+        trl = run_trl_grpo(model_dir, [ex.messages() for ex in examples], [ex.ground_truth for ex in examples],
+                           reward_fn, num_generations=num_generations, prompts_per_step=prompts_per_step,
+                           micro_batch_size=micro_batch_size, max_completion_length=max_completion_length,
+                           learning_rate=learning_rate, steps=steps, dtype=dtype, seed=seed, temperature=temperature,
+                           output_dir=work / "trl")
+        results["trl"] = _summarise(trl.step_s, trl.rollout_s, trl.reward_mean, steps_per_epoch)
+        results["trl"]["trl_version"] = trl.trl_version
+    for mode in ("off", "histospec"):
+        results[mode] = run_rhymerl(common + [f"rollout.speculative={mode}"], work / mode, steps_per_epoch)
+
+    off, spec = results["off"], results["histospec"]
+    diff = max(abs(a - b) for a, b in zip(off["reward_by_step"], spec["reward_by_step"]))
+    summary = {"model": model, "dtype": dtype, "device": "cuda" if torch.cuda.is_available() else "cpu",
+               "threads": torch.get_num_threads(), "num_prompts": num_prompts, "prompts_per_step": prompts_per_step,
+               "num_generations": num_generations, "max_completion_length": max_completion_length,
+               "micro_batch_size": micro_batch_size, "learning_rate": learning_rate, "steps": steps, "epochs": epochs,
+               "runs": results, "off_s_per_step": off["s_per_step"], "spec_s_per_step": spec["s_per_step"],
+               "spec_speedup_vs_off": round(off["s_per_step"] / spec["s_per_step"], 3),
+               "reward_curve_max_abs_diff": round(diff, 6)}
+    if "trl" in results:
+        summary["trl_s_per_step"] = results["trl"]["s_per_step"]
+        summary["speedup_vs_trl"] = round(results["trl"]["s_per_step"] / spec["s_per_step"], 3)
+        summary["off_speedup_vs_trl"] = round(results["trl"]["s_per_step"] / off["s_per_step"], 3)
+    return summary
+
+
+def print_table(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"GRPO end to end: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts, "
+                    f"{summary['prompts_per_step']} x {summary['num_generations']} per step, "
+                    f"max_completion_length={summary['max_completion_length']}, {summary['steps']} steps")
+    for c in ("run", "s/step (median)", "s/step by epoch", "rollout share", "final reward", "speedup vs TRL"):
+        t.add_column(c, justify="right")
+    trl = summary["runs"].get("trl")
+    for name, label in (("trl", "TRL GRPOTrainer"), ("off", "rhymerl, spec off"), ("histospec", "rhymerl, HistoSpec")):
+        r = summary["runs"].get(name)
+        if r is None:
+            continue
+        speed = f"{trl['s_per_step'] / r['s_per_step']:.2f}x" if trl else "-"
+        t.add_row(label, str(r["s_per_step"]), str(r["s_per_step_by_epoch"]), str(r["rollout_share"]),
+                  str(r["final_reward"]), speed)
+    console.print(t)
+    console.print(f"reward curves, spec off vs HistoSpec: max |diff| = {summary['reward_curve_max_abs_diff']}")
