@@ -17,9 +17,10 @@ from rhymerl.rl.trainer import PolicyTrainer, Sample, lr_multiplier, token_logpr
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
-def _samples(seed: int = 0, n: int = 6) -> list[Sample]:
+def _samples(seed: int = 0, n: int = 6, group: int = 1) -> list[Sample]:
+    """n samples; with group > 1, consecutive runs of `group` samples share a prompt (GRPO siblings)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = random_prompts(n, seed=seed)
+    prompts = [p for p in random_prompts(n // group, seed=seed) for _ in range(group)]
     out = []
     for i, p in enumerate(prompts):
         k = int(torch.randint(1, 9, (1,), generator=g))
@@ -66,12 +67,14 @@ def _reference_grads(model, samples, loss_type, temperature=0.7, beta=0.0, ref=N
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_microbatched_update_equals_big_batch_reference(loss_type):
+@pytest.mark.parametrize("loss_type,group,micro", [("grpo", 1, 2), ("dapo", 1, 2), ("dr_grpo", 1, 2),
+                                                   ("dapo", 3, 4), ("grpo", 3, 3), ("dapo", 6, 4)])
+def test_microbatched_update_equals_big_batch_reference(loss_type, group, micro):
+    """Micro-batching, sibling rows sharing their prompt and skipped zero-advantage samples change nothing."""
     model = tiny_decoder().train()
-    samples = _samples()
+    samples = _samples(group=group)
     expected = _reference_grads(model, samples, loss_type)
-    cfg = TrainSection(micro_batch_size=2, loss_type=loss_type, dtype="fp32", max_grad_norm=0.0, learning_rate=1e-3)
+    cfg = TrainSection(micro_batch_size=micro, loss_type=loss_type, dtype="fp32", max_grad_norm=0.0, learning_rate=1e-3)
     trainer = PolicyTrainer(model, cfg, temperature=0.7, max_completion_length=8)
     seen = {}  # the accumulated gradient, captured right before the optimizer consumes it
     trainer.optimizer.register_step_pre_hook(
@@ -151,3 +154,15 @@ def test_bf16_autocast_update_runs():
     m = trainer.update(_samples(4))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
     assert m["actor/grad_norm"] > 0
+
+
+def test_sibling_rows_give_each_completion_its_own_logprobs():
+    """A prompt with several completions in one row equals each completion run alone (fp32)."""
+    model = tiny_decoder()
+    samples = _samples(5, n=4, group=4)
+    together, mask, _ = token_logprobs(model, samples, 1.0, None)
+    for b, s in enumerate(samples):
+        alone, _, _ = token_logprobs(model, [s], 1.0, None)
+        k = len(s.completion_ids)
+        torch.testing.assert_close(together[b, :k], alone[0, :k], atol=1e-5, rtol=1e-5)
+        assert mask[b].sum() == k

@@ -217,6 +217,33 @@ class Decoder(nn.Module):
         return logits.view(b, s, -1)
 
 
+class BranchAttention:
+    """Causal self-attention for packed token trees of depth one: prompts each followed by several branches
+    (a prompt's sampled completions), the layout training uses so that a prompt's tokens go through the
+    model once however many completions it has.
+
+    Each branch is attended as the plain sequence `prompt + branch` (causal, right-padded to a [G, L] batch
+    gathered from the packed tokens, so SDPA's causal kernel applies and nothing is wasted on masked blocks);
+    a prompt token's output is taken from the first of its branches (all of them compute the same value).
+    `gather`: [G, L] index of each (branch, position) into the N packed tokens; `scatter`: [N] index of each
+    packed token's output in the flattened [G * L] result.
+    """
+
+    def __init__(self, gather: torch.Tensor, scatter: torch.Tensor):
+        self.gather, self.scatter = gather, scatter
+
+    def attend(self, layer, q, kv):
+        g, length = self.gather.shape
+        n_kv = kv.shape[1] // 2
+        # index_select, not q[gather]: its backward (index_add) is a fast kernel on CPU, advanced indexing's isn't
+        flat = self.gather.reshape(-1)
+        qb = q.index_select(0, flat).view(g, length, *q.shape[1:]).transpose(1, 2)  # [G, H, L, D]
+        kvb = kv.index_select(0, flat).view(g, length, *kv.shape[1:]).transpose(1, 2)  # [G, 2KV, L, D]
+        k, v = kvb[:, :n_kv], kvb[:, n_kv:]
+        out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=qb.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(g * length, q.shape[1], q.shape[2]).index_select(0, self.scatter)  # [N, H, D]
+
+
 class CausalAttention:
     """Dense causal self-attention over a `[B, S]` batch (no cache): training and reference."""
 

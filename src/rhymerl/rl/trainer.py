@@ -21,7 +21,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from rhymerl.config import TrainSection
-from rhymerl.model.decoder import CausalAttention, Decoder
+from rhymerl.model.decoder import BranchAttention, Decoder
 from rhymerl.rl.losses import entropy_from_logits, policy_loss
 
 
@@ -50,45 +50,69 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str) -> 
     raise ValueError(f"train.lr_scheduler: unknown schedule {kind!r}")
 
 
+def _rows(batch: list[Sample]) -> list[list[int]]:
+    """Consecutive samples with the same prompt form one tree: the prompt and its sibling completions."""
+    rows: list[list[int]] = []
+    for i, s in enumerate(batch):
+        if rows and batch[rows[-1][0]].prompt_ids == s.prompt_ids:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    return rows
+
+
 def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, autocast: torch.dtype | None,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] (fp32) of each sample's completion tokens under `model` at `temperature`, the mask
     [B, T] of real completion tokens, and (optionally, without grad) the entropy [B, T] of each position.
 
-    The batch is right-padded (causal attention never looks at the padding after a sequence, so no mask is
-    needed) and only the rows that predict a completion token go through the lm_head: its [rows, vocab]
-    output is the largest tensor of the update.
+    Siblings run their prompt once: consecutive samples sharing a prompt are packed as
+    `prompt, c1[:-1], c2[:-1], ...`, each completion attending to the prompt and its own earlier tokens
+    (`BranchAttention`), positions counted as if it ran alone. GRPO's num_generations completions per prompt
+    would otherwise push the prompt through every linear layer num_generations times. Only the positions
+    that predict a completion token go through the lm_head, whose [rows, vocab] output is the update's
+    largest tensor; the prompt's last position predicts every sibling's first token.
     """
     device = next(model.parameters()).device
-    inputs = [s.prompt_ids + s.completion_ids[:-1] for s in batch]  # the last token predicts nothing we need
-    B, S = len(batch), max(len(x) for x in inputs)
-    T = max(len(s.completion_ids) for s in batch)
-    ids = torch.zeros(B, S, dtype=torch.long)
-    rows, cols, targets = [], [], []
-    for b, (s, x) in enumerate(zip(batch, inputs)):
-        ids[b, : len(x)] = torch.tensor(x)
-        start = len(s.prompt_ids) - 1  # position whose logits predict the first completion token
-        rows.extend(range(b * S + start, b * S + start + len(s.completion_ids)))
-        cols.extend((b, t) for t in range(len(s.completion_ids)))
-        targets.extend(s.completion_ids)
-    ids, rows_t = ids.to(device), torch.tensor(rows, device=device)
-    target = torch.tensor(targets, device=device)
-    positions = torch.arange(S, device=device).expand(B, S).reshape(-1)
+    ids, positions, scatter, gather = [], [], [], []
+    logit_rows, b_idx, t_idx, targets = [], [], [], []
+    L = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in batch)  # longest prompt + branch
+    for members in _rows(batch):
+        prompt = batch[members[0]].prompt_ids
+        P, base = len(prompt), len(ids)  # the prompt's tokens are packed at base .. base + P - 1
+        ids += prompt
+        positions += range(P)
+        scatter += [len(gather) * L + p for p in range(P)]  # from the first branch of this tree
+        for i in members:
+            comp = batch[i].completion_ids
+            n, start = len(comp) - 1, len(ids)  # the last token predicts nothing we need
+            ids += comp[:-1]
+            positions += range(P, P + n)
+            scatter += [len(gather) * L + P + t for t in range(n)]
+            # this branch's attention row: prompt, then its own tokens, right-padded (causal: never seen)
+            gather.append(list(range(base, base + P)) + list(range(start, start + n)) + [base] * (L - P - n))
+            # token t is predicted by the prompt's last position (t = 0) or by the branch's token t - 1
+            logit_rows += [base + P - 1] + list(range(start, start + n))
+            b_idx += [i] * len(comp)
+            t_idx += range(len(comp))
+            targets += comp
+    B, T = len(batch), max(len(s.completion_ids) for s in batch)
+    backend = BranchAttention(torch.tensor(gather, device=device), torch.tensor(scatter, device=device))
     ctx = torch.autocast(device.type, dtype=autocast) if autocast is not None else nullcontext()
     with ctx:
-        logits = model.forward_packed(ids.reshape(-1), positions, CausalAttention(B, S), logit_rows=rows_t)  # [R, V]
-    x = logits.float() / temperature  # [R, V]
+        logits = model.forward_packed(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                      backend, logit_rows=torch.tensor(logit_rows, device=device))  # [R, V]
+    x = logits.float() if temperature == 1.0 else logits.float() / temperature  # [R, V]
+    target = torch.tensor(targets, device=device)
     # log p(target) = x[target] - logsumexp(x): autograd keeps x and the normaliser, not a second [R, V] tensor
     lp = x.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)  # [R]
-    b_idx = torch.tensor([c[0] for c in cols], device=device)
-    t_idx = torch.tensor([c[1] for c in cols], device=device)
-    logp = torch.zeros(B, T, device=device, dtype=lp.dtype).index_put((b_idx, t_idx), lp)  # [B, T]
-    mask = torch.zeros(B, T, device=device).index_put((b_idx, t_idx), torch.ones_like(lp))  # [B, T]
+    bt = (torch.tensor(b_idx, device=device), torch.tensor(t_idx, device=device))
+    logp = torch.zeros(B, T, device=device, dtype=lp.dtype).index_put(bt, lp)  # [B, T]
+    mask = torch.zeros(B, T, device=device).index_put(bt, torch.ones_like(lp))  # [B, T]
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            ent = entropy_from_logits(x.detach())  # [R]
-            entropy = torch.zeros(B, T, device=device).index_put((b_idx, t_idx), ent)  # [B, T]
+            entropy = torch.zeros(B, T, device=device).index_put(bt, entropy_from_logits(x.detach()))  # [B, T]
     return logp, mask, entropy
 
 
@@ -113,16 +137,28 @@ class PolicyTrainer:
         self.max_completion_length = max_completion_length
         self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
         params = [p for p in model.parameters() if p.requires_grad]
+        # fused: one kernel for the whole update instead of ~6 elementwise passes per parameter list
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=True)
         self.scheduler = LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.total_steps,
                                                                           cfg.lr_scheduler))
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
-        # Similar lengths together: less padding. Sorting is stable, so the order is deterministic.
-        order = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        """Micro-batches of at most micro_batch_size sequences, siblings kept together (they share one
+        prompt row in `token_logprobs`); pieces of similar length together, for less padding."""
         m = self.cfg.micro_batch_size
-        return [order[i : i + m] for i in range(0, len(order), m)]
+        groups: dict[tuple, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(tuple(s.prompt_ids), []).append(s)
+        pieces = [g[i : i + m] for g in groups.values() for i in range(0, len(g), m)]
+        pieces.sort(key=lambda p: len(p[0].prompt_ids) + sum(len(s.completion_ids) for s in p))  # stable
+        batches: list[list[Sample]] = []
+        for piece in pieces:
+            if batches and len(batches[-1]) + len(piece) <= m:
+                batches[-1].extend(piece)
+            else:
+                batches.append(list(piece))
+        return batches
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step (per iteration) on a rollout batch; returns verl-style `actor/...` metrics."""
