@@ -74,7 +74,8 @@ def test_microbatched_update_equals_big_batch_reference(loss_type, group, micro)
     model = tiny_decoder().train()
     samples = _samples(group=group)
     expected = _reference_grads(model, samples, loss_type)
-    cfg = TrainSection(micro_batch_size=micro, loss_type=loss_type, dtype="fp32", max_grad_norm=0.0, learning_rate=1e-3)
+    cfg = TrainSection(micro_batch_size=micro, loss_type=loss_type, dtype="fp32", max_grad_norm=0.0, learning_rate=1e-3,
+                       recompute_logprobs=False)  # the reference uses the samples' (rollout) old log-probs
     trainer = PolicyTrainer(model, cfg, temperature=0.7, max_completion_length=8)
     seen = {}  # the accumulated gradient, captured right before the optimizer consumes it
     trainer.optimizer.register_step_pre_hook(
@@ -93,7 +94,8 @@ def test_kl_term_matches_reference_and_trains_every_sequence():
             p.add_(torch.randn_like(p) * 0.01)
     samples = _samples(1)
     expected = _reference_grads(model, samples, "dapo", beta=0.1, ref=ref)
-    cfg = TrainSection(micro_batch_size=4, loss_type="dapo", dtype="fp32", max_grad_norm=0.0, beta=0.1)
+    cfg = TrainSection(micro_batch_size=4, loss_type="dapo", dtype="fp32", max_grad_norm=0.0, beta=0.1,
+                       recompute_logprobs=False)
     trainer = PolicyTrainer(model, cfg, temperature=0.7, max_completion_length=8, ref_model=ref)
     seen = {}  # the accumulated gradient, captured right before the optimizer consumes it
     trainer.optimizer.register_step_pre_hook(
@@ -120,7 +122,7 @@ def test_rollout_logprobs_equal_trainer_logprobs_in_fp32():
 def test_update_changes_weights_and_reports_metrics():
     model = tiny_decoder().train()
     before = copy.deepcopy(model.state_dict())
-    cfg = TrainSection(micro_batch_size=3, dtype="fp32", learning_rate=1e-2, num_iterations=2)
+    cfg = TrainSection(micro_batch_size=3, dtype="fp32", learning_rate=1e-2, num_iterations=2, recompute_logprobs=False)
     trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
     m = trainer.update(_samples(2))
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -166,3 +168,19 @@ def test_sibling_rows_give_each_completion_its_own_logprobs():
         k = len(s.completion_ids)
         torch.testing.assert_close(together[b, :k], alone[0, :k], atol=1e-5, rtol=1e-5)
         assert mask[b].sum() == k
+
+
+def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
+    """Default: old log-probs are the trainer's own, so rollout log-probs that differ in their last bits
+    (a speculative rollout's verification forward rounds differently) change nothing in the update."""
+    results = []
+    for noise in (0.0, 1e-6):
+        model = tiny_decoder().train()
+        samples = [Sample(s.prompt_ids, s.completion_ids, [x + noise for x in s.logprobs], s.advantage)
+                   for s in _samples(3, group=3)]
+        trainer = PolicyTrainer(model, TrainSection(dtype="fp32", micro_batch_size=4, num_iterations=2,
+                                                    learning_rate=1e-2), temperature=1.0, max_completion_length=8)
+        m = trainer.update(samples)
+        assert m["actor/ratio_mean"] == 1.0 and m["actor/pg_clipfrac"] == 0.0  # on-policy at the first iteration
+        results.append(copy.deepcopy(model.state_dict()))
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

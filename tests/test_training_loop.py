@@ -74,8 +74,10 @@ def _overrides(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
             "run.tensorboard=false", f"reward.function={tiny_dir / 'reward_fns.py'}:vowels", *extra]
 
 
-# Metrics that depend on wall time or speculation, not on what was learned.
-_TIMING = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes")
+# Metrics that depend on wall time or speculation, not on what was learned (the rollout's log-probs round
+# differently with drafts; the trainer's do not, so only their difference, a metric, changes).
+_TIMING = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes",
+           "logprob_diff")
 
 
 def _learned(rows: list[dict]) -> list[dict]:
@@ -98,12 +100,7 @@ def test_speculation_on_and_off_train_identically(tiny_dir, tmp_path):
         runs[mode] = read_metrics(TrainingRun(cfg, cost_model=FLAT).run())
     off, spec = _learned(runs["off"]), _learned(runs["histospec"])
     assert [r["step"] for r in off] == [0, 1, 2, 3, 4]
-    for a, b in zip(off, spec):
-        for key in ("critic/rewards/mean", "response_length/mean", "val/accuracy"):
-            assert a.get(key) == b.get(key), (a["step"], key)
-        for key in ("actor/pg_loss", "actor/grad_norm"):
-            if key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    assert off == spec  # every learned figure, bit for bit: rewards, lengths, losses, grad norms, entropy
     assert any(r.get("actor/trained_seqs", 0) > 0 for r in off)  # the test trains, not just rolls out
     later = [r for r in runs["histospec"] if r["step"] > 2 and "rollout/spec_drafted" in r]
     assert sum(r["rollout/spec_drafted"] for r in later) > 0  # the second epoch drafts from history
@@ -132,10 +129,7 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
 
     a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:  # fp32: drafts differ with timing, tokens and rewards may not; losses to float rounding
-            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6), (ra["step"], k)
+    assert a == b  # bit for bit, although the resumed run measured its own cost model and drafted differently
     # The final checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
     hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(killed), dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)

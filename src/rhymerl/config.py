@@ -121,7 +121,8 @@ class TrainSection:
     max_grad_norm: float = _opt(1.0, "gradient clipping norm (0 = off)")
     dtype: str = _opt("bf16", "bf16 = autocast over fp32 master weights", DTYPES)
     num_iterations: int = _opt(1, "PPO epochs over each rollout batch (TRL's num_iterations)")
-    recompute_logprobs: bool = _opt(False, "recompute old log-probs in the trainer instead of using the rollout's")
+    recompute_logprobs: bool = _opt(True, "old log-probs from the trainer's own first forward (no extra pass; "
+                                    "keeps training independent of speculation) instead of the rollout's")
     loss_type: str = _opt("dapo", "loss normalisation", LOSS_TYPES)
     epsilon: float = _opt(0.2, "lower clip range of the ratio")
     epsilon_high: float = _opt(0.28, "upper clip range of the ratio (>= epsilon; clip-higher)")

@@ -5,10 +5,14 @@ Gradients are accumulated over micro-batches so that the step equals one big-bat
 loss is rescaled from its own normaliser to the whole batch's (tokens for dapo/bnpo, sequences for grpo and
 dr_grpo), so the sum over micro-batches is exactly the batch loss of `rl.losses.policy_loss`.
 
-Old log-probs are the rollout's (the engine returns the policy's log-prob of each sampled token, computed by
-the same module); `recompute_logprobs` recomputes them here instead. Either way the largest and mean absolute
-difference between the rollout's and the trainer's log-probs is reported (~0 in fp32; bf16 rounds a 1-token
-decode forward and a full-sequence training forward differently).
+Old log-probs (the behaviour policy's, in the PPO ratio) are by default the trainer's own: the first
+iteration's forward runs the policy before any update of this batch, so its detached log-probs are exactly a
+recomputation, at no extra cost (with num_iterations=1 the ratio is exactly 1, as in TRL). This is what keeps
+training independent of speculation: the engine's log-probs come from forwards whose shape depends on the
+drafts (a verification forward rounds differently from a 1-token decode), and AdamW turns even last-bit
+gradient differences into learning-rate-sized steps on near-zero-gradient weights, so rollout-side old
+log-probs would make spec-on and spec-off runs drift apart. `recompute_logprobs=false` uses the rollout's
+instead. Either way the largest and mean absolute difference between the two is reported.
 """
 
 from __future__ import annotations
@@ -116,11 +120,11 @@ def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, auto
     return logp, mask, entropy
 
 
-def padded(values: list[list[float]], T: int, device) -> torch.Tensor:
-    """Right-pad ragged per-token values to [B, T] (zeros)."""
+def padded(values: list, T: int, device) -> torch.Tensor:
+    """Right-pad ragged per-token values (lists or 1-D tensors) to [B, T] (zeros)."""
     out = torch.zeros(len(values), T, device=device)
     for b, v in enumerate(values):
-        out[b, : len(v)] = torch.tensor(v, dtype=out.dtype)
+        out[b, : len(v)] = torch.as_tensor(v, dtype=out.dtype)
     return out
 
 
@@ -172,9 +176,8 @@ class PolicyTrainer:
         acc = {"loss": 0.0, "clip": 0.0, "clip_low": 0.0, "clip_high": 0.0, "ratio": 0.0, "kl": 0.0,
                "ent": 0.0, "tok": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0}
         grad_norm = 0.0
-        old = {id(s): s.logprobs for s in samples}
-        if cfg.recompute_logprobs and trained:
-            old = self._recompute(trained)
+        # id(sample) -> old log-probs [T_s]; filled by the first iteration when the trainer's own are used
+        old = {} if cfg.recompute_logprobs else {id(s): torch.tensor(s.logprobs) for s in samples}
         self.model.train()
         for it in range(cfg.num_iterations):
             for mb in self._micro_batches(trained):
@@ -208,6 +211,9 @@ class PolicyTrainer:
         first = iteration == 0
         logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=first)
         T, device = logp.shape[1], logp.device
+        if first and cfg.recompute_logprobs:  # the policy before this batch's update: the behaviour policy
+            for b, s in enumerate(mb):
+                old[id(s)] = logp[b, : len(s.completion_ids)].detach()
         old_logp = padded([old[id(s)] for s in mb], T, device)  # [B, T]
         adv = torch.tensor([s.advantage for s in mb], device=device)  # [B]
         ref_logp = None
@@ -233,17 +239,6 @@ class PolicyTrainer:
             acc["diff_max"] = max(acc["diff_max"], diff.max().item())
             acc["diff_sum"] += diff.sum().item()
             acc["ppo_kl"] += ((old_logp - logp.detach()) * mask).sum().item()
-
-    @torch.no_grad()
-    def _recompute(self, samples: list[Sample]) -> dict:
-        """Old log-probs from the trainer's own forward (before any update of this batch)."""
-        self.model.eval()
-        out = {}
-        for mb in self._micro_batches(samples):
-            logp, _, _ = token_logprobs(self.model, mb, self.temperature, self.autocast)
-            for b, s in enumerate(mb):
-                out[id(s)] = logp[b, : len(s.completion_ids)].tolist()
-        return out
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
