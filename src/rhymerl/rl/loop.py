@@ -283,8 +283,8 @@ class TrainingRun:
         bar = tqdm(total=total, initial=self.start_step, desc="train", unit="step", disable=not cfg.run.progress,
                    dynamic_ncols=True)
         try:
-            if self.start_step == 0 and cfg.val.every > 0:
-                self.logger.log(0, self.validate(0) | self.data_notes)  # the starting point of the curves
+            if self.start_step == 0:  # the starting point of the curves, and what the data loading skipped
+                self.logger.log(0, (self.validate(0) if cfg.val.every > 0 else {}) | self.data_notes)
             for step in range(self.start_step, total):
                 t0 = time.perf_counter()
                 m = self.train_step(step)
