@@ -69,6 +69,9 @@ def test_final_answer():
     ("it is \\boxed{72} I think", 1.0),
     ("work\n#### \n", 0.0),
     ("#### 72\nand then more text", 0.0),
+    ("#### 12#############################", 0.0),  # reward hacking seen in a real run
+    ("#### " + "1" * 80, 0.0),
+    ("#### (3 + 5) * 2", 1.0),
     ("the answer is 72", 0.0),
     ("\\boxed{}", 0.0),
 ])

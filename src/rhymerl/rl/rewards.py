@@ -86,12 +86,17 @@ def math_reward(completion: str, ground_truth: str) -> float:
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
 
 
+# A final line "#### <answer>": the answer is short and has no '#' (a policy trained on a looser check
+# learned to pad "#### 12" with hundreds of '#' up to the length limit).
+_FORMAT_LINE = re.compile(r"\s*####\s*[^#\s][^#]{0,60}")
+
+
 def format_reward(completion: str) -> float:
-    """1.0 if the completion ends with a line "#### <answer>" (after trailing whitespace and end-of-sequence
-    tokens are stripped) or contains a non-empty \\boxed{...}, else 0.0."""
+    """1.0 if the completion ends with a line "#### <answer>" (a short answer without '#', after trailing
+    whitespace and end-of-sequence tokens are stripped) or contains a non-empty \\boxed{...}, else 0.0."""
     text = countdown.strip_special_tokens(completion)
     lines = text.splitlines()
-    if lines and re.match(r"\s*####\s*\S", lines[-1]):
+    if lines and _FORMAT_LINE.fullmatch(lines[-1].rstrip()):
         return 1.0
     return 1.0 if countdown.last_boxed(text) else 0.0
 
