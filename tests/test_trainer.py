@@ -184,3 +184,19 @@ def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
         assert m["actor/ratio_mean"] == 1.0 and m["actor/pg_clipfrac"] == 0.0  # on-policy at the first iteration
         results.append(copy.deepcopy(model.state_dict()))
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_config_choices_equal_what_the_implementations_accept():
+    """config.py keeps torch-free copies of these lists; they must not drift from the modules that use them."""
+    from rhymerl import config
+    from rhymerl.engine import engine, speculator
+    from rhymerl.model import pretrained
+    from rhymerl.rl import advantages, losses
+
+    assert set(config.SPECULATIVE_MODES) == set(engine.SPECULATIVE_MODES)
+    assert set(config.DRAFT_RULES) == set(speculator.LENGTH_RULES)
+    assert set(config.LOSS_TYPES) == set(losses.LOSS_TYPES)
+    assert set(config.SCALE_REWARDS) == set(advantages.SCALE_REWARDS)
+    assert set(config.DTYPES) <= set(pretrained.DTYPES)
+    for kind in config.LR_SCHEDULERS:
+        lr_multiplier(3, 1, 10, kind)  # raises for a schedule the trainer does not know

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
+
 __all__ = [
     "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "SCALE_REWARDS", "SPECULATIVE_MODES",
     "ConfigError", "DataSection", "ModelSection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig",
@@ -30,8 +32,9 @@ __all__ = [
     "validate",
 ]
 
-# Allowed values of the enum-like string fields (validate checks them; the trainer may reuse them).
-BUILTIN_TASKS = ("arithmetic", "countdown")
+# Allowed values of the enum-like string fields (validate checks them). This module stays torch-free (so
+# `rhymerl train --help` is instant), hence copies of the torch modules' lists; tests/test_trainer.py checks
+# that each copy equals what the implementing module accepts.
 SPECULATIVE_MODES = ("histospec", "off")
 DTYPES = ("bf16", "fp32")
 DRAFT_RULES = ("aimd", "doubling", "cost")

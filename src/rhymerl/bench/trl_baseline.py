@@ -118,6 +118,8 @@ def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths
     pass False to make TRL do the same backward work as a trainer that keeps activations.
     The first step includes one-off costs (oneDNN kernel selection, optimizer state allocation).
     """
+    # Imported here, not at the top: loading GRPOTrainer takes ~3 s, and every `rhymerl` command imports this
+    # module through the CLI; only the e2e benchmark needs TRL.
     import trl
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

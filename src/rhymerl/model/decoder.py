@@ -33,8 +33,8 @@ class AttentionBackend(Protocol):
 
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked matmul: CPU only; bf16 where the CPU has bf16 instructions, and fp32 (measured at
-    8 rows: the 49152-row lm_head 10.4 -> 5.1 ms, gate/up 370 -> 210 us per call)."""
+    """oneDNN's prepacked matmul: CPU only; bf16 where the CPU has bf16 instructions, and fp32 (see
+    `rhymerl bench engine --dtype fp32` in docs/benchmarks.md)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
@@ -46,7 +46,7 @@ class Linear(nn.Linear):
     """nn.Linear that, for inference on a CPU, can use a copy of its weight prepacked into oneDNN's blocked
     layout: in bf16 the same product (bit-identical in our tests) at about half the cost, because the
     per-call repacking of the weight disappears; in fp32 a different summation order (differences at fp32
-    rounding level) and 1.25x faster decoding at 8 sequences. Training (grad enabled) uses the plain weight.
+    rounding level) and faster decoding (docs/benchmarks.md). Training (grad enabled) uses the plain weight.
 
     The packed copy remembers which version of the weight it was made from and is remade on first use
     after the weight changed (an optimizer step, a weight sync), so it can never be stale.

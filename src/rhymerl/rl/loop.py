@@ -218,8 +218,8 @@ class TrainingRun:
             group = outs[i * G : (i + 1) * G]
             self.history.record_rollout(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
         t2 = time.perf_counter()
-        samples = [Sample(p_ids.ids, o.token_ids, o.logprobs, a)
-                   for p_ids, o, a in zip([p for p in prompts for _ in range(G)], outs, adv.tolist())]
+        samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a)
+                   for k, (o, a) in enumerate(zip(outs, adv.tolist()))]
         metrics = self.trainer.update(samples)
         release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
         t3 = time.perf_counter()

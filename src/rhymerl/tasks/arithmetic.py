@@ -12,7 +12,8 @@ from dataclasses import dataclass
 NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena"]
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells"]
 # A short, concrete format example: a 135M model follows "like this: #### 12" about twice as often as an
-# abstract instruction (measured: 19% vs 9% of completions at temperature 0.7), so rewards have signal.
+# abstract instruction (one sample of 16 prompts x 8 at temperature 0.7: 19% vs 9% of completions in the
+# format), so rewards have signal from the first steps.
 INSTRUCTION = "Give a short calculation, then the final number after '####', like this: #### 12"
 
 
