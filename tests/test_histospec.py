@@ -5,7 +5,7 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import PROBE_EVERY, AIMDLength, CostModel, DoublingLength, verify
+from rhymerl.engine.speculator import PROBE_EVERY, AIMDLength, CostModel, DoublingLength, Speculator, _edge_events, verify
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
@@ -171,3 +171,29 @@ def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
     steps = eng.stats.forward_passes - 1  # the first step only prefills
     assert eng.speculator.stats.drafted == 0
     assert len(calls) <= 2 * (PROBE_EVERY + steps // PROBE_EVERY + 1) < 2 * steps
+
+
+def test_edge_events_count_each_reached_node_once():
+    # root -> 0 -> 1 -> 2 (shares 1 below node 0), and root -> 3 (a 0.25 alternative to node 0)
+    draft = Draft(tokens=[10, 11, 12, 20], parents=[-1, 0, 1, -1], source="history", match_len=2,
+                  probs=[0.75, 0.75, 0.75, 0.25])
+    # accepted 0 and 1, rejected below 1: the root, 0 and 1 each predicted a continuation with share 1
+    assert _edge_events(draft, [0, 1]) == (pytest.approx(3.0), 2)
+    # accepted 3, a leaf: only the root predicted anything
+    assert _edge_events(draft, [3]) == (pytest.approx(1.0), 1)
+    assert _edge_events(draft, []) == (pytest.approx(1.0), 0)
+
+
+def test_budget_discounts_deep_nodes_per_edge():
+    """A 30-token history continuation (every share 1) with a per-edge acceptance of 0.5 is worth
+    0.5 + 0.25 + ... < 1 token, not 15: with a forward that grows 10% per extra token, the budget
+    verifies 2 draft tokens (the rate (1 + gain) / cost peaks there), not the whole chain."""
+    prompt, response = list(range(1, 11)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt, [response])
+    linear = CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]])  # 1 + 0.1 * (tokens per sequence - 1)
+    spec = Speculator(linear, history, rule="cost", max_draft_tokens=32, correct_cost=False)
+    state = spec.start("g", prompt)
+    assert spec._calib_num / spec._calib_den == 0.5  # the prior, before any verification
+    (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+    assert draft.tokens == response[:2]

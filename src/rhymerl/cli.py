@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--slots", type=int, default=32)
     bs.add_argument("--max-tokens", type=int, default=256)
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
-    bs.add_argument("--identity-prompts", type=int, default=4, help="prompts (x2) for the fp32 identity check")
+    bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96)
     bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling", "cost"])
     bs.add_argument("--max-draft-tokens", type=int, default=32)

@@ -3,8 +3,9 @@
 Epoch 1 (plain decoding, its own seed) fills the history store, as the previous RL step would. Epoch 2
 runs the same prompts with a new seed twice, plain and HistoSpec, with identical request ids and seeds,
 so the two must produce the same tokens (checked in fp32 on a subset; bf16 rounds a 1-token and a
-many-token forward differently, so its identity rate is only reported). The long tail is measured like for
-like: the 4 longest requests of the plain run, run alone in 4 slots, plain and HistoSpec.
+many-token forward differently, so its identity rate is only reported). The long tail: the 4 longest
+requests of the plain run, run alone in 4 slots, plain and HistoSpec, in bf16 (where the two runs generate
+different tokens, so different amounts of work) and in fp32 (the same tokens: like for like).
 
 With `history_from=RUN_DIR` the history is a real training run's instead: the policy and the history store of
 the run's latest checkpoint, and the prompts it holds (the run's training and validation prompts); epoch 2 is
@@ -69,8 +70,25 @@ def identity(a, b) -> float:
     return sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / max(len(a), 1)
 
 
+def _tail(make_engine, prompts, request_ids, params, suffix: str) -> dict:
+    """Tokens/s of plain and HistoSpec on the tail requests (`make_engine(mode)`), their ratio, the tokens
+    each generated and whether the outputs are token-identical."""
+    out = {}
+    results = {}
+    for mode, name in (("off", "plain"), ("histospec", "spec")):
+        engine = make_engine(mode)
+        t0 = time.perf_counter()
+        results[name] = engine.generate(prompts, params, request_ids=request_ids)
+        tokens = sum(len(o.token_ids) for o in results[name])
+        out[f"{name}_tail_tok_s{suffix}"] = round(tokens / (time.perf_counter() - t0), 1)
+        out[f"{name}_tail_tokens{suffix}"] = tokens
+    out[f"tail_speedup{suffix}"] = round(out[f"spec_tail_tok_s{suffix}"] / out[f"plain_tail_tok_s{suffix}"], 3)
+    out[f"tail_identity{suffix}"] = round(identity(results["plain"], results["spec"]), 3)
+    return out
+
+
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
-        num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=4, identity_max_tokens=96,
+        num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
         seed=0, draft_rule="aimd", max_draft_tokens=32, history_from=None) -> dict:
     run_history = None
     if history_from is not None:
@@ -123,18 +141,16 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "draft_time_share": round(sp.draft_s / max(ss.busy_s, 1e-9), 3),
             "identity_rate_bf16": round(identity(plain, spec), 3),
         }
-        # The long tail, like for like: the TAIL longest requests of the plain run, alone in TAIL slots.
+        # The long tail: the TAIL longest requests of the plain run, alone in TAIL slots, plain vs HistoSpec.
+        # In bf16 the two runs of those requests diverge (a 1-token and a many-token forward round
+        # differently), so they generate different lengths and the bf16 figure compares different work;
+        # in fp32 they generate the same tokens (checked), so the fp32 figure is like for like.
         longest = sorted(range(len(plain)), key=lambda k: -len(plain[k].token_ids))[:TAIL]
         tail_prompts = [prompts[k // num_generations] for k in longest]
         tail_ids = [f"{k // num_generations}-{k % num_generations}" for k in longest]
-        for mode in ("off", "histospec"):
-            eng = make(model, mode, history if mode == "histospec" else None, n_slots=TAIL)
-            t0 = time.perf_counter()
-            outs = eng.generate(tail_prompts, epoch2, request_ids=tail_ids)
-            row[f"{'plain' if mode == 'off' else 'spec'}_tail_tok_s"] = round(
-                sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), 1)
-        row["tail_speedup"] = round(row["spec_tail_tok_s"] / row["plain_tail_tok_s"], 3)
+        row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2, ""))
         if fp32 is not None:
+            row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2, "_fp32"))
             sub = prompts[:identity_prompts]
             length = max(map(len, sub)) + identity_max_tokens
             p32 = SamplingParams(temperature=temp, max_tokens=identity_max_tokens, seed=seed + 2000)
@@ -154,12 +170,13 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"HistoSpec, epoch 2: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts x "
                     f"{summary['num_generations']}, {summary['slots']} slots, max_tokens={summary['max_tokens']}")
-    cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "accept", "tok/seq/fwd",
-            "identity fp32", "identity bf16"]
+    cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "tail fp32", "accept",
+            "tok/seq/fwd", "identity fp32", "identity bf16"]
     for c in cols:
         t.add_column(c, justify="right")
     for temp, r in summary["temperatures"].items():
         t.add_row(temp, str(r["entropy"]), str(r["plain_tok_s"]), str(r["spec_tok_s"]), f"{r['speedup']}x",
-                  f"{r['tail_speedup']}x", str(r["accept_rate"]), str(r["tokens_per_forward"]),
+                  f"{r['tail_speedup']}x", f"{r['tail_speedup_fp32']}x" if "tail_speedup_fp32" in r else "-",
+                  str(r["accept_rate"]), str(r["tokens_per_forward"]),
                   str(r.get("identity_rate", "-")), str(r["identity_rate_bf16"]))
     console.print(t)

@@ -22,7 +22,7 @@ from rhymerl.engine.allocator import keep_freed_memory
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
-from rhymerl.engine.sampling_params import SamplingParams, keyed_uniform
+from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.sequence import RequestOutput, Sequence
 from rhymerl.engine.speculator import CostModel, Speculator, verify
@@ -247,10 +247,10 @@ class Engine:
             groups[seq.params].append(k)
         tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
         for params, ks in groups.items():
-            u = [keyed_uniform(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
+            keys = [draw_key(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
             sel = [rows[k] for k in ks]
             # all rows in order (a plain step): no 6 MB copy of the logits
-            toks, lps = sample(logits if sel == list(range(len(logits))) else logits[sel], params, u)
+            toks, lps = sample(logits if sel == list(range(len(logits))) else logits[sel], params, keys)
             for k, t, lp in zip(ks, toks, lps):
                 tokens[k], logprobs[k] = t, lp
         return tokens, logprobs

@@ -1,10 +1,18 @@
 """Logits -> tokens, with keyed randomness.
 
-Sampling is by inverse CDF with one uniform per token: `u = keyed_uniform(seed, request, position)` and
-the token is the first index whose cumulative probability exceeds `u` (times the total). The draw is a
-deterministic function of the distribution and the key, so the same request gives the same tokens in any
-batch; a tiny change in the logits only changes the token when `u` sits within that change of a CDF boundary
-(a floating-point tie).
+Sampling is Gumbel-max in two levels, with noise that is a pure function of the draw's key (seed,
+request, position; `sampling_params.draw_key`) and of the block or token it perturbs:
+
+1. the vocabulary is cut into blocks of 256 columns; block b is picked by argmax(log mass_b + G_b);
+2. inside block b, token i by argmax(log p_i + G'_i).
+
+Each level is an exact draw (Gumbel-max picks i with probability w_i / sum w), so the token has
+probability (mass_b / total) * (p_i / mass_b) = p_i / total. Two levels keep the noise cheap (256 + 192
+keyed values per row, not one per vocabulary entry) and, unlike an inverse CDF, make the draw robust to
+last-bit differences in the logits, e.g. between a 1-token and a draft-tree forward in fp32: the token
+can only change when the two best perturbed scores of a level are within that difference of each other
+(about 1e-6 per level), whereas an inverse CDF moves every boundary by the rounding error accumulated
+over all the columns before it and flipped about one fp32 response in ten at temperature 1.
 
 The returned log-prob is `log_softmax(logits / temperature)` of the sampled token (temperature 1 for greedy)
 before top-k/top-p: the convention of verl and TRL, whose trainers recompute it the same way.
@@ -16,57 +24,72 @@ import torch
 
 from rhymerl.engine.sampling_params import SamplingParams
 
-_BLOCK = 256  # inverse CDF in two levels: block sums, then one block (see inverse_cdf)
+BLOCK = 256  # columns per first-level block
+_TOKEN_SALT = 1 << 40  # noise streams: block b uses column b, token i uses column i + _TOKEN_SALT
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # the 64-bit constants as signed int64 (torch has no uint64 ops)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def filtered_probs(logp: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[R, V] log-probs after temperature -> (probs over the kept tokens [R, V'], vocabulary ids of those
-    columns, or None when V' is the whole vocabulary in order). Applies top-k, then top-p."""
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic and copies the sign bit)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def keyed_uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """keys [R] int64 (draw keys), columns [R, C] or [C] int64 -> [R, C] fp64 uniforms in (0, 1): splitmix64
+    of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64. Matches
+    `sampling_params.keyed_uniform_reference` bit for bit."""
+    x = keys[:, None] + (columns + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def _gumbel(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(keyed_uniforms(keys, columns)))
+
+
+def filtered_probs(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[R, V] log-probs after temperature -> [R, V] unnormalised probabilities in vocabulary order, zero for
+    the tokens top-k and top-p removed (top-k first, then top-p)."""
+    # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300);
+    # it adds at most 49152 * e^-80 < 1e-30 of probability mass.
+    probs = logp.clamp(min=-80.0).exp()
     if params.top_k == 0 and params.top_p >= 1.0:
-        # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach
-        # -300); it adds at most 49152 * e^-80 < 1e-30 of probability mass.
-        return logp.clamp(min=-80.0).exp(), None
+        return probs
     k = logp.shape[-1] if params.top_k == 0 else min(params.top_k, logp.shape[-1])
-    top, ids = torch.topk(logp, k, dim=-1)  # sorted, descending
-    probs = torch.softmax(top, dim=-1)
+    top, ids = torch.topk(probs, k, dim=-1)  # sorted, descending
     if params.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
-        before = probs.cumsum(-1) - probs
-        probs = probs.masked_fill(before >= params.top_p, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs, ids
+        # Keep the smallest prefix whose mass reaches top_p of the kept mass (the crossing token is kept).
+        before = top.cumsum(-1) - top
+        top = top.masked_fill(before >= params.top_p * top.sum(-1, keepdim=True), 0.0)
+    return torch.zeros_like(probs).scatter_(-1, ids, top)
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [R, V] (unnormalised is fine), uniforms [R] fp64 in [0, 1) -> column [R, 1]: the first column
-    whose cumulative mass exceeds u * total. Cumulative sums are in fp64 (a 49k-term fp32 cumsum drifts by
-    ~1e-4) and in two levels (blocks of 256, then inside the chosen block), which avoids a slow
-    full-vocabulary fp64 cumsum.
-    A zero-probability column is never chosen: its cumulative mass equals its left neighbour's."""
+def sample_columns(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (unnormalised, >= 0, a positive entry per row), keys [R] int64 -> [R, 1] sampled
+    columns, by the two-level keyed Gumbel-max of the module docstring. A zero column is never chosen."""
     r, v = probs.shape
-    pad = (-v) % _BLOCK
-    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, _BLOCK)  # [R, nb, 256]
-    block_mass = blocks.sum(-1).double()  # [R, nb]; a 256-term fp32 sum is good to ~1e-7 (fp64 costs 5x)
-    cum = block_mass.cumsum(-1)
-    target = uniforms[:, None] * cum[:, -1:]  # [R, 1]
-    b = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[-1] - 1)  # the block
-    rest = target - (cum.gather(-1, b) - block_mass.gather(-1, b))  # mass to cover inside the block
-    inner = blocks.gather(1, b[:, :, None].expand(r, 1, _BLOCK))[:, 0].double().cumsum(-1)  # [R, 256]
-    c = torch.searchsorted(inner, rest, right=True)
-    # fp64 rounding can put `rest` at or past the block's total: take its last positive column then.
-    c = torch.minimum(c, inner.argmax(-1, keepdim=True))
-    return b * _BLOCK + c
+    pad = (-v) % BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)  # [R, nb, 256]
+    nb = blocks.shape[1]
+    block_ids = torch.arange(nb, device=probs.device)
+    b = (blocks.sum(-1).double().log() + _gumbel(keys, block_ids)).argmax(-1)  # [R]
+    inner = blocks[torch.arange(r, device=probs.device), b].double()  # [R, 256]
+    cols = b[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)  # [R, 256] vocabulary ids
+    c = (inner.log() + _gumbel(keys, cols + _TOKEN_SALT)).argmax(-1)  # log 0 = -inf: never chosen
+    return (b * BLOCK + c)[:, None]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, uniforms: list[float]) -> tuple[list[int], list[float]]:
-    """logits: [R, V] fp32, all rows with the same params; uniforms: [R] keyed draws in [0, 1).
+def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tuple[list[int], list[float]]:
+    """logits: [R, V] fp32, all rows with the same params; keys: [R] draw keys (`draw_key`).
     Returns (token ids, policy log-probs)."""
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
     logp = torch.log_softmax(logits / params.temperature, -1)
-    probs, ids = filtered_probs(logp, params)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=logits.device)
-    col = inverse_cdf(probs, u)
-    tokens = col if ids is None else ids.gather(-1, col)
+    key_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
+    tokens = sample_columns(filtered_probs(logp, params), key_t)
     return tokens[:, 0].tolist(), logp.gather(-1, tokens)[:, 0].tolist()

@@ -1,9 +1,9 @@
 """Sampling settings and keyed randomness (torch-free).
 
-Keyed randomness (DESIGN 3.4): the uniform draw that picks a token depends only on
-(seed, request id, position), never on the batch, the slot, the step or whether drafting was on. A
-request's output is therefore the same alone or in any batch, on any worker, with or without speculation
-(up to floating-point ties in the logits).
+Keyed randomness (DESIGN 3.4): the random numbers that pick a token depend only on (seed, request id,
+position), through the 64-bit `draw_key`, never on the batch, the slot, the step or whether drafting was
+on. A request's output is therefore the same alone or in any batch, on any worker, with or without
+speculation (up to floating-point ties in the logits; see `sampler`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,14 @@ def request_key(request_id: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(str(request_id).encode(), digest_size=8).digest(), "little")
 
 
-def keyed_uniform(seed: int, request_key: int, position: int) -> float:
-    """A uniform in [0, 1) that depends only on (seed, request, position of the generated token)."""
+def draw_key(seed: int, request_key: int, position: int) -> int:
+    """The key of one token draw: a 64-bit function of (seed, request, position of the generated token), as
+    a signed int64 (what torch holds). The sampler derives all its noise for that draw from it."""
     z = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ request_key) ^ position)
-    return (z >> 11) * (1.0 / (1 << 53))
+    return z - (1 << 64) if z >> 63 else z
+
+
+def keyed_uniform_reference(key: int, column: int) -> float:
+    """Pure-Python reference of `sampler.keyed_uniforms` for one (draw key, column): a uniform in (0, 1)."""
+    z = _splitmix64((key + column * 0x9E3779B97F4A7C15) & _MASK64)  # splitmix adds one more golden step
+    return ((z >> 11) + 0.5) * (1.0 / (1 << 53))

@@ -146,9 +146,13 @@ class Speculator:
         self.max_draft_tokens = max_draft_tokens
         self.groups: dict = {}  # group key -> sibling SuffixIndex
         self.stats = SpecStats()
-        # Observed accepted tokens / drafter-estimated expected tokens: the drafter's frequencies are
-        # optimistic (more so at high temperature), so expected gains are scaled by this calibration.
-        self._calib_num, self._calib_den = 0.5, 1.0  # a cautious prior: half of what the drafter expects
+        # Per-edge calibration: how often the policy actually continues along a drafted edge, relative to
+        # the drafter's count share for it. The drafter's shares are optimistic (a continuation every
+        # history response took has share 1, yet a new response leaves it with some probability at every
+        # token), and the error compounds with depth, so a node at depth k is worth
+        # probs[j] * calib**k accepted tokens, not probs[j] times one constant: with a constant, long
+        # chains of share-1 nodes looked worth many tokens and were verified at a loss.
+        self._calib_num, self._calib_den = 0.5, 1.0  # a cautious prior: an edge half as likely as drafted
         # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
         # drafting itself is skipped except every PROBE_EVERY-th step, which keeps watching whether
         # drafts started to pay (the tail, a more predictable prompt) at almost no cost.
@@ -193,11 +197,13 @@ class Speculator:
             return [Draft() for _ in contexts]
         drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
-        calib = self._calib_num / self._calib_den
-        # Each draft's nodes, most likely first: a parent's path probability is never below its child's,
-        # so every prefix of this order is a rooted subtree.
-        order = [sorted(range(len(d.tokens)), key=lambda j: (-d.probs[j], j)) for d in drafts]
-        gains = [_prefix_sums([calib * d.probs[j] for j in o]) for d, o in zip(drafts, order)]
+        calib = min(self._calib_num / self._calib_den, 1.0)
+        # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
+        # (path probability and calib**depth both shrink), and ties go to the lower index (parents come
+        # first), so every prefix of this order is a rooted subtree.
+        values = [[p * calib ** k for p, k in zip(d.probs, d.depths())] for d in drafts]
+        order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
+        gains = [_prefix_sums([v[j] for j in o]) for v, o in zip(values, order)]
         n_dec = len(contexts)
         plain_cost = self.cost(base_tokens, seqs)
         draft_scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
@@ -237,9 +243,11 @@ class Speculator:
         self.stats.verify_steps += 1
         spec.drafted += len(draft.tokens)
         spec.accepted += n_acc
-        # Calibrate with the deepest chain the tree offered (a tree's extra branches are alternatives).
-        self._calib_num = 0.99 * self._calib_num + n_acc
-        self._calib_den = 0.99 * self._calib_den + sum(draft.probs[j] for j in _best_chain(draft))
+        # Edge calibration: at each node the walk reached, the drafter predicted the walk would continue
+        # with probability (sum of the children's shares); it did continue at every node but the last.
+        predicted, continued = _edge_events(draft, accepted_nodes)
+        self._calib_num = 0.99 * self._calib_num + continued
+        self._calib_den = 0.99 * self._calib_den + predicted
         depth = max(draft.depths())
         spec.length = self.rule.next(spec.length, depth, n_acc)
 
@@ -267,15 +275,17 @@ def _prune(draft: Draft, keep: set[int]) -> Draft:
     return Draft(tokens, parents, draft.source, draft.match_len, probs)
 
 
-def _best_chain(draft: Draft) -> list[int]:
-    """Node indices of the most probable root-to-leaf path."""
-    chain, node = [], -1
-    while True:
-        children = [j for j, p in enumerate(draft.parents) if p == node]
-        if not children:
-            return chain
-        node = max(children, key=lambda j: draft.probs[j])
-        chain.append(node)
+def _edge_events(draft: Draft, accepted_nodes: list[int]) -> tuple[float, int]:
+    """(predicted continuations, actual continuations) over the nodes a verification walk reached: the
+    root (-1), then every accepted node. A reached node with drafted children predicts a continuation
+    with the sum of their shares (child path probability / the node's); a leaf predicts nothing."""
+    share_sum: dict[int, float] = {}
+    for j, (par, p) in enumerate(zip(draft.parents, draft.probs)):
+        base = 1.0 if par < 0 else draft.probs[par]
+        share_sum[par] = share_sum.get(par, 0.0) + (p / base if base > 0 else 0.0)
+    reached = [-1] + accepted_nodes
+    predicted = sum(share_sum.get(v, 0.0) for v in reached)
+    return predicted, len(accepted_nodes)
 
 
 def verify(draft: Draft):
