@@ -93,7 +93,7 @@ def cmd_bench_spec(args) -> int:
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
-                             args.max_draft_tokens, args.history_from)
+                             args.max_draft_tokens, args.history_from, args.repeats)
     spec_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--slots", type=int, default=32)
     bs.add_argument("--max-tokens", type=int, default=256)
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
+    bs.add_argument("--repeats", type=int, default=2,
+                    help="plain and HistoSpec rollouts alternate this many times; each keeps its fastest")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96)
     bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling", "cost"])
