@@ -165,3 +165,40 @@ def test_report_missing_or_empty_metrics(tmp_path):
         write_report(tmp_path)
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         summary(tmp_path)
+
+
+class _FakeWandbRun:
+    def __init__(self, run_id):
+        self.id, self.logged, self.finished = run_id, [], False
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+    def finish(self):
+        self.finished = True
+
+
+class _FakeWandb:
+    """Records what MetricsLogger asks of wandb (the real package is optional and needs an account)."""
+
+    def __init__(self):
+        self.inits, self.runs = [], []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        self.runs.append(_FakeWandbRun(kwargs["id"] or f"run{len(self.runs)}"))
+        return self.runs[-1]
+
+
+def test_wandb_gets_numeric_metrics_and_a_resumed_run_reuses_its_id(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setattr(metrics_module, "wandb", fake)
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=True, wandb_project="p", config={"a": 1}) as log:
+        log.log(1, {"critic/rewards/mean": 0.5, "note": "text stays in the JSONL"})
+    assert fake.inits[0]["project"] == "p" and fake.inits[0]["config"] == {"a": 1} and fake.inits[0]["id"] is None
+    assert fake.runs[0].logged == [(1, {"critic/rewards/mean": 0.5})] and fake.runs[0].finished
+    # A resume finds the run id saved in the run directory and continues that wandb run.
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=True, resume_step=1) as log:
+        log.log(2, {"critic/rewards/mean": 0.7})
+    assert fake.inits[1]["id"] == "run0" and fake.inits[1]["resume"] == "allow"
+    assert fake.runs[1].logged == [(2, {"critic/rewards/mean": 0.7})]
