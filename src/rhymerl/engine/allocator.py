@@ -17,15 +17,21 @@ _M_MMAP_THRESHOLD = -3
 _THRESHOLD = 1 << 30
 
 
+def _glibc_function(name: str):
+    """glibc's function `name`, or None where there is no glibc (macOS, musl, Windows)."""
+    lib = ctypes.util.find_library("c")
+    if lib is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(lib), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds to 1 GiB. Returns False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
 
@@ -34,10 +40,5 @@ def release_freed_memory() -> bool:
     """Give the heap's free memory back to the OS (glibc malloc_trim). With the thresholds above freed
     memory otherwise stays in the process; call between phases that allocate very differently (the
     trainer's backward pass after a rollout), so their peaks do not add up. False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    malloc_trim = _glibc_function("malloc_trim")
+    return malloc_trim is not None and bool(malloc_trim(0))

@@ -38,8 +38,8 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def keyed_uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """keys [R] int64 (draw keys), columns [R, C] or [C] int64 -> [R, C] fp64 uniforms in (0, 1): splitmix64
-    of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64. Matches
-    `sampling_params.keyed_uniform_reference` bit for bit."""
+    of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64 (tests/test_engine.py
+    checks it bit for bit against plain-Python uint64 arithmetic)."""
     x = keys[:, None] + (columns + 1) * _GOLDEN
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2

@@ -67,8 +67,3 @@ def draw_key(seed: int, request_key: int, position: int) -> int:
     z = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ request_key) ^ position)
     return z - (1 << 64) if z >> 63 else z
 
-
-def keyed_uniform_reference(key: int, column: int) -> float:
-    """Pure-Python reference of `sampler.keyed_uniforms` for one (draw key, column): a uniform in (0, 1)."""
-    z = _splitmix64((key + column * 0x9E3779B97F4A7C15) & _MASK64)  # splitmix adds one more golden step
-    return ((z >> 11) + 0.5) * (1.0 / (1 << 53))
