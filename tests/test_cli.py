@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rhymerl.cli import main
+from rhymerl.bench import spec_bench
+from rhymerl.cli import build_parser, main
 from rhymerl.tasks.prompt_file import read_prompt_file
 
 
@@ -30,6 +31,25 @@ def test_unknown_model_is_a_clear_error(capsys, tmp_path, monkeypatch):
 def test_invalid_sampling_value_is_a_clear_error(capsys):
     assert main(["generate", "--top-p", "1.5", "hi"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_bench_table_is_whole_when_piped(capsys):
+    """capsys is not a terminal, like `rhymerl bench spec | tee log`: no header may be cut to 'tok…'."""
+    row = dict(entropy=0.14, plain_tok_s=215.2, spec_tok_s=306.2, speedup=1.423, tail_speedup=1.853,
+               accept_rate=0.584, tokens_per_forward=2.17, identity_rate_bf16=0.34)
+    summary = dict(model="smollm2-135m", dtype="bf16", num_prompts=16, num_generations=8, slots=8, max_tokens=256,
+                   temperatures={"0.3": row})
+    spec_bench.print_table(summary)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "plain tok/s" in out and "1.423x" in out
+
+
+def test_help_shows_defaults():
+    spec = build_parser()._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices["spec"]
+    text = spec.format_help()
+    assert "(default: 32)" in text  # --slots
+    assert "(default: None)" not in text
 
 
 def test_generate_on_the_real_model(smollm2_dir, capsys, tmp_path):

@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rhymerl.bench.console import table_console
 from rhymerl.bench.trl_baseline import run_trl_grpo
 from rhymerl.config import load_config
 from rhymerl.data.dataset import Example, builtin_examples
@@ -109,7 +110,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     t = Table(title=f"GRPO end to end: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts, "
                     f"{summary['prompts_per_step']} x {summary['num_generations']} per step, "
                     f"max_completion_length={summary['max_completion_length']}, {summary['steps']} steps")

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
+from rhymerl.bench.console import table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained, parse_dtype
@@ -82,7 +83,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "bf16", batches=(1, 8, 32
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     t = Table(title=f"rollout throughput: {summary['model']} {summary['dtype']}, T={summary['temperature']}, "
                     f"max_tokens={summary['max_tokens']}, {summary['threads']} threads")
     for col in ("batch", "prompts", "ours tok", "ours s", "ours tok/s", "hf tok", "hf s", "hf tok/s", "speedup"):

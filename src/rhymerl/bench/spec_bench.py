@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from rhymerl.bench.console import table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
@@ -177,7 +178,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     t = Table(title=f"HistoSpec, epoch 2: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts x "
                     f"{summary['num_generations']}, {summary['slots']} slots, max_tokens={summary['max_tokens']}")
     cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "tail fp32", "accept",
