@@ -177,11 +177,12 @@ def test_edge_events_count_each_reached_node_once():
     # root -> 0 -> 1 -> 2 (shares 1 below node 0), and root -> 3 (a 0.25 alternative to node 0)
     draft = Draft(tokens=[10, 11, 12, 20], parents=[-1, 0, 1, -1], source="history", match_len=2,
                   probs=[0.75, 0.75, 0.75, 0.25])
-    # accepted 0 and 1, rejected below 1: the root, 0 and 1 each predicted a continuation with share 1
-    assert _edge_events(draft, [0, 1]) == (pytest.approx(3.0), 2)
+    # accepted 0 and 1, rejected below 1: the root (depth 0), 0 and 1 each predicted a continuation with
+    # share 1; the walk continued out of the first two
+    assert _edge_events(draft, [0, 1]) == [(pytest.approx(1.0), 1), (pytest.approx(1.0), 1), (pytest.approx(1.0), 0)]
     # accepted 3, a leaf: only the root predicted anything
-    assert _edge_events(draft, [3]) == (pytest.approx(1.0), 1)
-    assert _edge_events(draft, []) == (pytest.approx(1.0), 0)
+    assert _edge_events(draft, [3]) == [(pytest.approx(1.0), 1), (0.0, 0)]
+    assert _edge_events(draft, []) == [(pytest.approx(1.0), 0)]
 
 
 def test_budget_discounts_deep_nodes_per_edge():
@@ -194,6 +195,29 @@ def test_budget_discounts_deep_nodes_per_edge():
     linear = CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]])  # 1 + 0.1 * (tokens per sequence - 1)
     spec = Speculator(linear, history, rule="cost", max_draft_tokens=32, correct_cost=False)
     state = spec.start("g", prompt)
-    assert spec._calib_num / spec._calib_den == 0.5  # the prior, before any verification
+    assert spec.edge_calibration() == [0.5] * 32  # the prior, before any verification
     (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
     assert draft.tokens == response[:2]
+
+
+def test_calibration_learns_that_deep_edges_continue_more_often():
+    """Walks that fail at the first edge 3 times in 4 but, once on a history span, follow it to the end:
+    the calibration must say so per depth (c_0 ~ 0.25, deeper ~ 1), so every node is worth ~0.25 tokens
+    against a cost of 0.1 and the budget verifies the whole chain. A single per-edge constant fitted to
+    the same walks (0.73, so 0.73**k) would have cut it to 4 tokens."""
+    prompt, response = list(range(1, 11)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt, [response])
+    linear = CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]])  # 1 + 0.1 * (tokens per sequence - 1)
+    spec = Speculator(linear, history, rule="cost", max_draft_tokens=32, correct_cost=False)
+    chain = Draft(tokens=response[:8], parents=[-1, 0, 1, 2, 3, 4, 5, 6], source="history", match_len=2,
+                  probs=[1.0] * 8)
+    state = spec.start("g", prompt)
+    for i in range(400):
+        spec.record(state, chain, list(range(8)) if i % 4 == 0 else [])
+    calib = spec.edge_calibration()
+    assert calib[0] == pytest.approx(0.25, abs=0.05)
+    assert all(c > 0.95 for c in calib[1:8])
+    assert calib[8:] == pytest.approx([calib[7]] * 24, abs=0.05)  # never observed: borrowed from above
+    (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+    assert len(draft.tokens) > 16

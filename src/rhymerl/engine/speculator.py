@@ -146,13 +146,16 @@ class Speculator:
         self.max_draft_tokens = max_draft_tokens
         self.groups: dict = {}  # group key -> sibling SuffixIndex
         self.stats = SpecStats()
-        # Per-edge calibration: how often the policy actually continues along a drafted edge, relative to
-        # the drafter's count share for it. The drafter's shares are optimistic (a continuation every
-        # history response took has share 1, yet a new response leaves it with some probability at every
-        # token), and the error compounds with depth, so a node at depth k is worth
-        # probs[j] * calib**k accepted tokens, not probs[j] times one constant: with a constant, long
-        # chains of share-1 nodes looked worth many tokens and were verified at a loss.
-        self._calib_num, self._calib_den = 0.5, 1.0  # a cautious prior: an edge half as likely as drafted
+        # Per-edge calibration, by depth: how often the policy actually continues along a drafted edge out
+        # of a node at depth d (0 = the committed token), relative to the drafter's count share for it.
+        # The drafter's shares are optimistic (a continuation every history response took has share 1,
+        # yet a new response leaves it with some probability at every token), so a node at depth k is worth
+        # probs[j] * c_0 * ... * c_{k-1} accepted tokens. By depth because continuing is not memoryless: a
+        # response that has followed its history for 10 tokens is copying a span and likely goes on, while
+        # the first edge is where most drafts fail; one constant c (c**k) made long chains look worth far
+        # less than they are and kept the tail's drafts short.
+        self._calib_num = [0.0] * (max_draft_tokens + 1)  # decayed continuations seen at each depth
+        self._calib_den = [0.0] * (max_draft_tokens + 1)  # decayed continuations predicted at each depth
         # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
         # drafting itself is skipped except every PROBE_EVERY-th step, which keeps watching whether
         # drafts started to pay (the tail, a more predictable prompt) at almost no cost.
@@ -197,11 +200,11 @@ class Speculator:
             return [Draft() for _ in contexts]
         drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
-        calib = min(self._calib_num / self._calib_den, 1.0)
+        reach = self.depth_discounts()
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
-        # (path probability and calib**depth both shrink), and ties go to the lower index (parents come
-        # first), so every prefix of this order is a rooted subtree.
-        values = [[p * calib ** k for p, k in zip(d.probs, d.depths())] for d in drafts]
+        # (path probability and the depth discount both shrink), and ties go to the lower index (parents
+        # come first), so every prefix of this order is a rooted subtree.
+        values = [[p * reach[k] for p, k in zip(d.probs, d.depths())] for d in drafts]
         order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
         gains = [_prefix_sums([v[j] for j in o]) for v, o in zip(values, order)]
         n_dec = len(contexts)
@@ -221,6 +224,23 @@ class Speculator:
         self._idle[bucket] = 0 if best_c > 0 else idle + 1
         out = [_prune(d, set(o[:best_c])) for d, o in zip(drafts, order)]
         self.stats.draft_s += time.perf_counter() - t0
+        return out
+
+    def edge_calibration(self) -> list[float]:
+        """c_d for d = 0..max_draft_tokens-1: the calibrated continuation factor out of depth d. Each depth's
+        estimate is shrunk towards the one above it (weight of one observation; 0.5 at depth 0), so depths
+        rarely verified borrow from their parents instead of from a fixed guess."""
+        out, prior = [], 0.5
+        for num, den in zip(self._calib_num, self._calib_den):
+            prior = min((num + prior) / (den + 1.0), 1.0)
+            out.append(prior)
+        return out[:-1]
+
+    def depth_discounts(self) -> list[float]:
+        """[max_draft_tokens + 1]: entry k = c_0 * ... * c_{k-1}, the factor on a depth-k node's share."""
+        out = [1.0]
+        for c in self.edge_calibration():
+            out.append(out[-1] * c)
         return out
 
     def observe_step(self, seconds: float) -> None:
@@ -245,9 +265,9 @@ class Speculator:
         spec.accepted += n_acc
         # Edge calibration: at each node the walk reached, the drafter predicted the walk would continue
         # with probability (sum of the children's shares); it did continue at every node but the last.
-        predicted, continued = _edge_events(draft, accepted_nodes)
-        self._calib_num = 0.99 * self._calib_num + continued
-        self._calib_den = 0.99 * self._calib_den + predicted
+        for d, (predicted, continued) in enumerate(_edge_events(draft, accepted_nodes)):
+            self._calib_num[d] = 0.99 * self._calib_num[d] + continued
+            self._calib_den[d] = 0.99 * self._calib_den[d] + predicted
         depth = max(draft.depths())
         spec.length = self.rule.next(spec.length, depth, n_acc)
 
@@ -275,17 +295,17 @@ def _prune(draft: Draft, keep: set[int]) -> Draft:
     return Draft(tokens, parents, draft.source, draft.match_len, probs)
 
 
-def _edge_events(draft: Draft, accepted_nodes: list[int]) -> tuple[float, int]:
-    """(predicted continuations, actual continuations) over the nodes a verification walk reached: the
-    root (-1), then every accepted node. A reached node with drafted children predicts a continuation
-    with the sum of their shares (child path probability / the node's); a leaf predicts nothing."""
+def _edge_events(draft: Draft, accepted_nodes: list[int]) -> list[tuple[float, int]]:
+    """Per depth d of the nodes a verification walk reached (the root at depth 0, then every accepted
+    node): (predicted continuations, actual continuations). A reached node with drafted children predicts
+    a continuation with the sum of their shares (child path probability / the node's); a leaf predicts
+    nothing. The walk continued out of every reached node but the last."""
     share_sum: dict[int, float] = {}
     for j, (par, p) in enumerate(zip(draft.parents, draft.probs)):
         base = 1.0 if par < 0 else draft.probs[par]
         share_sum[par] = share_sum.get(par, 0.0) + (p / base if base > 0 else 0.0)
     reached = [-1] + accepted_nodes
-    predicted = sum(share_sum.get(v, 0.0) for v in reached)
-    return predicted, len(accepted_nodes)
+    return [(share_sum.get(v, 0.0), int(d < len(accepted_nodes))) for d, v in enumerate(reached)]
 
 
 def verify(draft: Draft):
