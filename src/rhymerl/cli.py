@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plain and HistoSpec rollouts alternate this many times; each keeps its fastest")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96, help="max_completion_length of the identity check")
-    bs.add_argument("--draft-rule", default="aimd", choices=["aimd", "doubling", "cost"],
+    bs.add_argument("--draft-rule", default="cost", choices=["aimd", "doubling", "cost"],
                     help="per-sequence draft length rule (the step budget applies to all)")
     bs.add_argument("--max-draft-tokens", type=int, default=32, help="draft tokens per sequence and step, at most")
     bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")

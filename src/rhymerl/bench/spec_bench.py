@@ -91,7 +91,7 @@ def _tail(make_engine, prompts, request_ids, params, suffix: str) -> dict:
 
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="aimd", max_draft_tokens=32, history_from=None, repeats=2) -> dict:
+        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2) -> dict:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     run_history = None

@@ -69,13 +69,15 @@ class Engine:
 
     speculative: "off" (one token per slot per step) or "histospec" (DESIGN 3: drafts from `history`,
     the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
-    model that HistoSpec otherwise measures at start-up; `draft_rule` is "aimd" or "doubling".
+    model that HistoSpec otherwise measures at start-up; `draft_rule` is "cost" (every
+    sequence offers a full tree; the step budget alone decides), "aimd" or "doubling" (docs/benchmarks.md
+    compares them).
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
                  speculative: str = "off", history: HistoryStore | None = None, max_draft_tokens: int = 32,
-                 draft_rule: str = "aimd", cost_model: CostModel | None = None):
+                 draft_rule: str = "cost", cost_model: CostModel | None = None):
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
