@@ -187,10 +187,11 @@ class Speculator:
         """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the per-sequence
         size that maximises expected committed tokens per second of forward time.
 
-        The forward pads every drafting sequence to the largest draft of the step, so the budget is a
-        per-step cap c on each sequence's draft (its c most likely nodes), and a step is costed as the
-        measured `seqs` sequences x (1 + c) tokens. c = 0, plain decoding, wins whenever drafts do not
-        pay (a full batch, poor matches, high temperature)."""
+        The budget is a per-step cap c on each sequence's draft (its c most valuable nodes), and a step
+        is costed as the measured `seqs` sequences x (1 + c) tokens: the cost model is measured on such
+        uniform shapes, and a budget across sequences (the k best nodes of the whole step, so a few
+        sequences draft deep) made steps uneven and was slower (docs/benchmarks.md). c = 0, plain
+        decoding, wins whenever drafts do not pay (a full batch, poor matches, high temperature)."""
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
