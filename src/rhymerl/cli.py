@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rhymerl import report
 from rhymerl.bench import e2e_bench, engine_bench, spec_bench
-from rhymerl.config import config_help, load_config
+from rhymerl.config import DRAFT_RULES, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plain and HistoSpec rollouts alternate this many times; each keeps its fastest")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96, help="max_completion_length of the identity check")
-    bs.add_argument("--draft-rule", default="cost", choices=["aimd", "doubling", "cost"],
+    bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,
                     help="per-sequence draft length rule (the step budget applies to all)")
     bs.add_argument("--max-draft-tokens", type=int, default=32, help="draft tokens per sequence and step, at most")
     bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")

@@ -105,7 +105,8 @@ class RolloutSection:
     dtype: str = _opt("bf16", "rollout engine weights", DTYPES)
     history_rollouts: int = _opt(4, "rollouts kept per prompt by the history store (drafting source)")
     max_draft_tokens: int = _opt(32, "longest draft proposed per step")
-    draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; aimd = the paper's +2 / back to 2; doubling = x2 / halve", DRAFT_RULES)
+    draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; "
+                           "aimd = the paper's +2 / back to 2; doubling = x2 / halve", DRAFT_RULES)
 
 
 @dataclass
