@@ -66,4 +66,3 @@ def draw_key(seed: int, request_key: int, position: int) -> int:
     a signed int64 (what torch holds). The sampler derives all its noise for that draw from it."""
     z = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ request_key) ^ position)
     return z - (1 << 64) if z >> 63 else z
-
