@@ -27,7 +27,7 @@ from rhymerl.engine.allocator import release_freed_memory
 from rhymerl.engine.engine import Engine, EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.speculator import CostModel, SpecStats
-from rhymerl.metrics import MetricsLogger
+from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.pretrained import chat_prompt_ids
@@ -139,6 +139,10 @@ class TrainingRun:
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                     config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
+        if ckpt is not None and not any(row["step"] == self.start_step for row in read_metrics(self.run_dir)):
+            # Killed after the checkpoint was written but before its step's row was: the checkpoint keeps the
+            # row (without timing_s/save and timing_s/step, measured after it), so no step goes missing.
+            self.logger.log(self.start_step, state.get("metrics", {}))
 
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] = (), **kw) -> "TrainingRun":
@@ -265,15 +269,16 @@ class TrainingRun:
         m["timing_s/val"] = time.perf_counter() - t0
         return m
 
-    def save(self, step: int) -> Path:
-        """Checkpoint after `step` completed steps."""
+    def save(self, step: int, metrics: dict | None = None) -> Path:
+        """Checkpoint after `step` completed steps; `metrics` is that step's row, kept for a resume."""
         trainer_state = self.trainer.state_dict()
         if self.cfg.model.lora_r > 0:  # base + adapters, for an exact resume (the HF weights are merged)
             trainer_state["lora_model"] = self.model.state_dict()
         return save_checkpoint(
             self.run_dir, step, hf_weights=to_hf_state_dict(self.model, merged_parameters(self.model)),
             model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
-            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg)},
+            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg),
+                   "metrics": {k: v if isinstance(v, str) else float(v) for k, v in (metrics or {}).items()}},
             keep=self.cfg.run.keep_checkpoints)
 
     def run(self) -> Path:
@@ -293,7 +298,7 @@ class TrainingRun:
                     m |= self.validate(done)
                 if done == total or (cfg.run.save_every > 0 and done % cfg.run.save_every == 0):
                     t1 = time.perf_counter()
-                    self.save(done)
+                    self.save(done, m)
                     m["timing_s/save"] = time.perf_counter() - t1
                 m["timing_s/step"] = time.perf_counter() - t0
                 self.logger.log(done, m)
