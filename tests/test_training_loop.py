@@ -139,6 +139,18 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_latest_checkpoint_is_the_newest_complete_directory(tmp_path):
+    """Killed after renaming step_000002.tmp into place but before `latest` was rewritten: resume uses step 2;
+    a half-written .tmp directory is never used."""
+    root = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path) is None
+    for name in ("step_000001", "step_000002", "step_000003.tmp"):
+        (root / name).mkdir(parents=True)
+        (root / name / "state.json").write_text("{}")
+    (root / "latest").write_text("step_000001")
+    assert latest_checkpoint(tmp_path) == root / "step_000002"
+
+
 def test_a_crash_between_checkpoint_and_metrics_row_loses_no_step(tiny_dir, tmp_path, monkeypatch):
     """The window the SIGKILL test can only hit by chance: step 2's checkpoint is written, its metrics row not
     yet. The resumed run writes the row the checkpoint kept, so the curve has no hole."""

@@ -6,7 +6,8 @@ Layout of `RUN_DIR/checkpoints/step_000010/`:
   trainer.pt      optimizer and LR-scheduler state (and the LoRA adapter weights when LoRA is on)
   history.json    the HistoSpec history store
   state.json      step, epoch, RNG states and the run's counters
-and `RUN_DIR/checkpoints/latest` names the newest complete one.
+and `RUN_DIR/checkpoints/latest` names the newest complete one (for people and tools; resuming looks at the
+directories themselves).
 
 Atomicity: a checkpoint is written into `step_000010.tmp` and renamed into place, and `latest` is replaced
 by rename only after that; a crash at any moment leaves the previous checkpoint intact and named by `latest`.
@@ -33,14 +34,12 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    pointer = Path(run_dir) / "checkpoints" / LATEST
-    if not pointer.exists():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "state.json").exists():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-    return path
+    """The newest complete checkpoint of a run, or None.
+
+    Found from the directories, not from `latest`: a run killed right after renaming `step_N.tmp` into place
+    has a complete `step_N` that `latest` does not name yet."""
+    done = [p for p in _complete(Path(run_dir) / "checkpoints") if (p / "state.json").exists()]
+    return done[-1] if done else None
 
 
 def rng_state() -> dict:
@@ -98,9 +97,13 @@ def _force_fp32_config(path: Path) -> None:
         path.write_text(json.dumps(cfg, indent=2))
 
 
+def _complete(ckpt_root: Path) -> list[Path]:
+    """Checkpoint directories renamed into place (not `.tmp`), oldest first (the names sort by step)."""
+    return sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
 def _prune(ckpt_root: Path, keep: int) -> None:
-    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
+    for old in _complete(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
