@@ -38,7 +38,7 @@ def reference_generate(model, prompt, params, request_id, eos=()):
             tok = int(logits.argmax())
             logps.append(float(torch.log_softmax(logits, -1)[tok]))
         else:
-            probs = filtered_probs(torch.log_softmax(logits[None] / params.temperature, -1), params)
+            probs = filtered_probs(torch.softmax(logits[None] / params.temperature, -1), params)
             tok = reference_sample(probs[0].double().tolist(), draw_key(params.seed, request_key(request_id), j))
             logps.append(float(torch.log_softmax(logits / params.temperature, -1)[tok]))
         ids.append(tok)
@@ -121,6 +121,24 @@ def test_slots_are_compacted_once_the_queue_is_empty(model):
         assert outs[i].token_ids == toks
 
 
+def test_copies_of_a_prompt_prefill_once(model):
+    """A GRPO group's copies of one prompt: the first prefills it, the others copy its keys/values, both
+    from a co-admitted sequence and from one already running, and sample exactly what they sample alone."""
+    prompt = random_prompts(1, lo=10, hi=10, seed=8)[0]
+    other = random_prompts(1, lo=9, hi=9, seed=9)[0]
+    batch = [prompt, prompt, other, prompt]
+    params = [SamplingParams(temperature=1.0, max_tokens=n, seed=4) for n in (2, 9, 5, 6)]
+    eng = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[])
+    outs = eng.generate(batch, params, request_ids=["a", "b", "c", "d"])
+    # "b" copies from "a" (admitted together); "d" is admitted when "a" finishes and copies from "b".
+    assert eng.stats.shared_prompt_tokens == 2 * (len(prompt) - 1)
+    assert eng.stats.prompt_tokens == len(prompt) + 2 + len(other)
+    for p, sp, rid, out in zip(batch, params, "abcd", outs):
+        alone = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate([p], sp, request_ids=[rid])[0]
+        assert out.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
 def test_stops_on_eos(model):
     prompt = random_prompts(1, seed=4)[0]
     free = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(
@@ -198,7 +216,7 @@ def test_sampling_distribution_matches_softmax():
     n = 4000
     keys = [draw_key(0, request_key(i), 0) for i in range(n)]
     toks, _ = sample(logits.expand(n, -1), params, keys)
-    probs = filtered_probs(torch.log_softmax(logits / params.temperature, -1), params)[0].double()
+    probs = filtered_probs(torch.softmax(logits / params.temperature, -1), params)[0].double()
     kept = probs > 0
     assert kept.nonzero()[:, 0].tolist() == [3, 40, 200, 300]
     expected = probs / probs.sum() * n

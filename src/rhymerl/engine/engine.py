@@ -38,7 +38,8 @@ DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
 class EngineStats:
     forward_passes: int = 0
     tokens_forwarded: int = 0  # tokens fed through the model: prompts + decode tokens (+ drafts)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens fed through the model
+    shared_prompt_tokens: int = 0  # prompt tokens copied from a slot holding the same prompt instead
     generated_tokens: int = 0  # tokens appended to outputs
     busy_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which in the model's forward
@@ -167,6 +168,7 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        sources = self._share_prompts(seqs)
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
         inputs = []
@@ -175,8 +177,9 @@ class Engine:
                 parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
                 inputs.append(SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents))
             else:
-                inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1))
-            self.stats.prompt_tokens += len(new) if seq.num_cached == 0 else 0
+                inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1,
+                                        prefix_from=sources.get(seq.slot)))
+            self.stats.prompt_tokens += len(new) if seq.num_cached < len(seq.prompt_ids) else 0
             self.stats.tokens_forwarded += len(inputs[-1].tokens)
         t1 = time.perf_counter()
         logits = self.runner.run(inputs)  # rows: 1 per plain slot, 1 + len(draft) per drafting slot
@@ -194,6 +197,26 @@ class Engine:
         self.stats.busy_s += elapsed
         self.stats.seq_steps += len(seqs)
         return events
+
+    def _share_prompts(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Prefill each distinct prompt once: a sequence admitted now whose prompt another sequence in the
+        step already holds (running) or is prefilling copies that slot's keys/values of all but the last
+        prompt token, and feeds only the last one (whose logits it needs). The `num_generations` copies of
+        a GRPO prompt so cost one prefill. Returns {follower slot: source slot}; sets the followers'
+        num_cached. The copied keys/values are the same tokens at the same positions; they can differ from
+        a recomputation only in the last bits (another batch shape), which the sampler is robust to."""
+        if all(seq.num_cached for seq in seqs):
+            return {}
+        held = {tuple(seq.prompt_ids): seq.slot for seq in seqs if seq.num_cached >= len(seq.prompt_ids)}
+        sources = {}
+        for seq in seqs:
+            if seq.num_cached == 0 and len(seq.prompt_ids) > 1:
+                source = held.setdefault(tuple(seq.prompt_ids), seq.slot)
+                if source != seq.slot:
+                    sources[seq.slot] = source
+                    seq.num_cached = len(seq.prompt_ids) - 1
+                    self.stats.shared_prompt_tokens += seq.num_cached
+        return sources
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
         empty = Draft()

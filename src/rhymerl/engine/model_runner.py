@@ -25,6 +25,7 @@ class SlotInput:
     tokens: list[int]  # new tokens of this step
     parents: list[int] | None = None  # per token: index of its parent, -1 = the committed prefix; None = chain
     logits_from: int = 0  # logits are returned for tokens[logits_from:]
+    prefix_from: int | None = None  # a slot whose first `base` positions hold this slot's prefix: copied first
 
 
 def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray | None, np.ndarray]:
@@ -131,10 +132,22 @@ class CachedAttention:
                               device, group_size) for _, g in sorted(buckets.items())]
         # Pure decode over contiguous slots: tokens are the query rows in order, no scatter at all.
         self.direct = len(self.groups) == 1 and self.groups[0].dense_index is None
+        # Shared prefixes, by length: (destination slots, source slots, length). Copied in each layer after
+        # that layer's new keys/values are written, so a source may be prefilling the prefix in this very step.
+        shares: dict[int, tuple[list[int], list[int]]] = {}
+        for x in inputs:
+            if x.prefix_from is not None:
+                dst, src = shares.setdefault(x.base, ([], []))
+                dst.append(x.slot)
+                src.append(x.prefix_from)
+        self.shares = [(torch.tensor(d, device=device), torch.tensor(s, device=device), n)
+                       for n, (d, s) in shares.items()]
 
     def attend(self, layer, q, kv):
         cache = self.cache.kv[layer]  # [slots, 2KV, capacity, D]
         cache[self.slot_of, :, self.write_pos] = kv
+        for dst, src, n in self.shares:
+            cache[dst, :, :n] = cache[src, :, :n]
         h, d = q.shape[1], q.shape[2]
         if self.direct:
             g = self.groups[0]

@@ -51,15 +51,12 @@ def _gumbel(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(keyed_uniforms(keys, columns)))
 
 
-def filtered_probs(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[R, V] log-probs after temperature -> [R, V] unnormalised probabilities in vocabulary order, zero for
-    the tokens top-k and top-p removed (top-k first, then top-p)."""
-    # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300);
-    # it adds at most 49152 * e^-80 < 1e-30 of probability mass.
-    probs = logp.clamp(min=-80.0).exp()
+def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[R, V] unnormalised probabilities after temperature -> the same with the tokens top-k and top-p
+    removed set to zero (top-k first, then top-p; top-p is relative to the mass top-k kept)."""
     if params.top_k == 0 and params.top_p >= 1.0:
         return probs
-    k = logp.shape[-1] if params.top_k == 0 else min(params.top_k, logp.shape[-1])
+    k = probs.shape[-1] if params.top_k == 0 else min(params.top_k, probs.shape[-1])
     top, ids = torch.topk(probs, k, dim=-1)  # sorted, descending
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p of the kept mass (the crossing token is kept).
@@ -89,7 +86,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tup
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
-    logp = torch.log_softmax(logits / params.temperature, -1)
+    # Softmax by hand, because the sampler needs only unnormalised probabilities and the log-probs of the
+    # sampled tokens: three passes over [R, V] (max, exp, sum) instead of log_softmax + exp (and no
+    # division at temperature 1), a few percent of a decode step at 32 sequences.
+    z = logits if params.temperature == 1.0 else logits / params.temperature  # [R, V]
+    top = z.amax(-1, keepdim=True)  # [R, 1]
+    # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300);
+    # it adds at most 49152 * e^-80 < 1e-30 of relative mass.
+    probs = (z - top).clamp_(min=-80.0).exp_()  # [R, V], max 1
+    log_norm = probs.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - top - log_norm
     key_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
-    tokens = sample_columns(filtered_probs(logp, params), key_t)
-    return tokens[:, 0].tolist(), logp.gather(-1, tokens)[:, 0].tolist()
+    tokens = sample_columns(filtered_probs(probs, params), key_t)  # [R, 1]
+    return tokens[:, 0].tolist(), ((z.gather(-1, tokens) - top) - log_norm)[:, 0].tolist()
