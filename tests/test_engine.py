@@ -139,6 +139,18 @@ def test_copies_of_a_prompt_prefill_once(model):
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_shared_chat_prefix_is_copied_and_the_rest_prefilled(model):
+    head = random_prompts(1, lo=12, hi=12, seed=10)[0]
+    prompts = [head + tail for tail in random_prompts(3, lo=3, hi=6, seed=11)]
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=2)
+    eng = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[])
+    outs = eng.generate(prompts, params, request_ids=[0, 1, 2])
+    assert eng.stats.shared_prompt_tokens == 2 * len(head)
+    assert eng.stats.prompt_tokens == sum(map(len, prompts)) - 2 * len(head)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert out.token_ids == reference_generate(model, p, params, i)[0]
+
+
 def test_stops_on_eos(model):
     prompt = random_prompts(1, seed=4)[0]
     free = Engine(model, num_slots=1, max_model_len=64, eos_token_ids=[]).generate(

@@ -32,6 +32,8 @@ from rhymerl.spec.history import HistoryStore, prompt_key
 
 SPECULATIVE_MODES = ("off", "histospec")
 DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
+# Shorter shared prefixes (a BOS, a role tag) are recomputed rather than copied in every layer.
+MIN_SHARED_PREFIX = 8
 
 
 @dataclass
@@ -168,7 +170,7 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        sources = self._share_prompts(seqs)
+        sources = self._share_prefixes(seqs)
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
         inputs = []
@@ -198,24 +200,32 @@ class Engine:
         self.stats.seq_steps += len(seqs)
         return events
 
-    def _share_prompts(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Prefill each distinct prompt once: a sequence admitted now whose prompt another sequence in the
-        step already holds (running) or is prefilling copies that slot's keys/values of all but the last
-        prompt token, and feeds only the last one (whose logits it needs). The `num_generations` copies of
-        a GRPO prompt so cost one prefill. Returns {follower slot: source slot}; sets the followers'
-        num_cached. The copied keys/values are the same tokens at the same positions; they can differ from
-        a recomputation only in the last bits (another batch shape), which the sampler is robust to."""
+    def _share_prefixes(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Prefill a shared prompt prefix once. A sequence admitted now copies the keys/values of the longest
+        prefix it shares with a sequence that holds it (running) or prefills it in this step, and feeds only
+        the rest of its prompt (at least the last token, whose logits it needs). The `num_generations`
+        copies of a GRPO prompt so cost one prefill, and prompts under one chat template share its system
+        part. Returns {follower slot: source slot} and sets the followers' num_cached. The copied keys and
+        values are the same tokens at the same positions: they can differ from a recomputation only in
+        the last bits (another batch shape), which the sampler is robust to."""
         if all(seq.num_cached for seq in seqs):
             return {}
-        held = {tuple(seq.prompt_ids): seq.slot for seq in seqs if seq.num_cached >= len(seq.prompt_ids)}
+        # Sources hold their whole prefix before the copy: running sequences, and this step's full prefills
+        # (a follower's own copied positions land in the same layer pass, so it cannot be a source yet).
+        held = [seq for seq in seqs if seq.num_cached >= len(seq.prompt_ids)]
         sources = {}
         for seq in seqs:
-            if seq.num_cached == 0 and len(seq.prompt_ids) > 1:
-                source = held.setdefault(tuple(seq.prompt_ids), seq.slot)
-                if source != seq.slot:
-                    sources[seq.slot] = source
-                    seq.num_cached = len(seq.prompt_ids) - 1
-                    self.stats.shared_prompt_tokens += seq.num_cached
+            if seq.num_cached:
+                continue
+            shared, source = max(((_common_prefix(seq.prompt_ids, h.prompt_ids), h.slot) for h in held),
+                                 default=(0, -1))
+            shared = min(shared, len(seq.prompt_ids) - 1)
+            if shared >= MIN_SHARED_PREFIX:
+                sources[seq.slot] = source
+                seq.num_cached = shared
+                self.stats.shared_prompt_tokens += shared
+            else:
+                held.append(seq)
         return sources
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
@@ -359,6 +369,15 @@ class Engine:
             bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
         bar.close()
         return [results[rid] for rid in ids]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _tail(seq: Sequence, n: int) -> list[int]:
