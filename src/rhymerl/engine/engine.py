@@ -41,7 +41,7 @@ class EngineStats:
     forward_passes: int = 0
     tokens_forwarded: int = 0  # tokens fed through the model: prompts + decode tokens (+ drafts)
     prompt_tokens: int = 0  # prompt tokens fed through the model
-    shared_prompt_tokens: int = 0  # prompt tokens copied from a slot holding the same prompt instead
+    shared_prompt_tokens: int = 0  # prompt tokens not fed: copied from a slot holding the same prefix
     generated_tokens: int = 0  # tokens appended to outputs
     busy_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which in the model's forward

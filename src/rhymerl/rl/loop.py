@@ -191,7 +191,9 @@ class TrainingRun:
         s = self.engine.stats
         m = {f"{prefix}/tokens_per_s": s.generated_tokens / max(s.busy_s, 1e-9),
              f"{prefix}/tokens_per_forward": s.tokens_per_seq_forward,
-             f"{prefix}/forward_passes": s.forward_passes}
+             f"{prefix}/forward_passes": s.forward_passes,
+             # prompt tokens computed, and those copied from a sequence holding the same prefix
+             f"{prefix}/prefill_tokens": s.prompt_tokens, f"{prefix}/prefill_shared_tokens": s.shared_prompt_tokens}
         if self.engine.speculator is not None:
             sp = self.engine.speculator.stats
             m |= {f"{prefix}/spec_accept_rate": sp.accept_rate, f"{prefix}/spec_drafted": sp.drafted,
