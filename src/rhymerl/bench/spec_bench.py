@@ -27,6 +27,7 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
+from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.spec.history import HistoryStore
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 from rhymerl.tasks.prompt_file import read_prompt_file
@@ -62,8 +63,7 @@ def mean_entropy(model, prompts, outs, num_generations: int, temperature: float,
         ids = torch.tensor([prompt + o.token_ids])
         with torch.inference_mode():
             logits = model(ids)[0, len(prompt) - 1 : -1].float() / max(temperature, 1e-6)
-        logp = torch.log_softmax(logits, -1)
-        total += float(-(logp.exp() * logp).sum(-1).sum())
+        total += float(entropy_from_logits(logits).sum())
         count += len(o.token_ids)
     return total / max(count, 1)
 

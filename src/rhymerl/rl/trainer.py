@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from rhymerl.config import TrainSection
 from rhymerl.model.decoder import BranchAttention, Decoder
-from rhymerl.rl.losses import entropy_from_logits, policy_loss
+from rhymerl.rl.losses import policy_loss
 
 
 @dataclass
@@ -63,6 +63,56 @@ def _rows(batch: list[Sample]) -> list[list[int]]:
         else:
             rows.append([i])
     return rows
+
+
+ROWS_PER_CHUNK = 64  # [64, vocab] fp32 rows: 12.6 MB at SmolLM2's 49152, so a chunk stays in cache
+
+
+class TargetLogprobs(torch.autograd.Function):
+    """log softmax(logits / temperature)[target] per row, and optionally the softmax's entropy (no grad).
+
+    The same values and gradients as `x = logits.float() / temperature; x.gather(target) - logsumexp(x)`
+    (bit for bit: the same kernels per row), but it walks the [R, V] logits in row chunks that stay in
+    cache, and keeps only the logits and the [R] normaliser for the backward, not an fp32 copy. Past the
+    lm_head matmul itself this is the update's largest cost: at GRPO sizes R is ~1000 rows per micro-batch.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature: float, with_entropy: bool):  # [R, V], [R] -> [R], [R]
+        rows = logits.shape[0]
+        logp = torch.empty(rows, device=logits.device)
+        log_norm = torch.empty_like(logp)  # logsumexp(x) per row
+        entropy = torch.zeros_like(logp)
+        for i in range(0, rows, ROWS_PER_CHUNK):
+            c = slice(i, i + ROWS_PER_CHUNK)
+            x = logits[c].float()  # [C, V]
+            if temperature != 1.0:
+                x = x / temperature
+            log_norm[c] = torch.logsumexp(x, dim=-1)
+            logp[c] = x.gather(1, target[c, None]).squeeze(1) - log_norm[c]
+            if with_entropy:  # H = log Z - sum_i p_i x_i
+                p = (x - log_norm[c, None]).exp_()
+                entropy[c] = log_norm[c] - torch.linalg.vecdot(p, x)
+        ctx.save_for_backward(logits, target, log_norm)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):  # [R] -> [R, V]
+        logits, target, log_norm = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ROWS_PER_CHUNK):
+            c = slice(i, i + ROWS_PER_CHUNK)
+            x = logits[c].float()
+            if temperature != 1.0:
+                x = x / temperature
+            g = grad_logp[c, None]  # [C, 1]
+            # d logp / dx = onehot(target) - softmax(x)
+            d = (x - log_norm[c, None]).exp_().mul_(-g).scatter_add_(1, target[c, None], g)
+            grad[c] = d.div_(temperature) if temperature != 1.0 else d
+        return grad, None, None, None
 
 
 def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, autocast: torch.dtype | None,
@@ -106,17 +156,12 @@ def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, auto
     with ctx:
         logits = model.forward_packed(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                       backend, logit_rows=torch.tensor(logit_rows, device=device))  # [R, V]
-    x = logits.float() if temperature == 1.0 else logits.float() / temperature  # [R, V]
     target = torch.tensor(targets, device=device)
-    # log p(target) = x[target] - logsumexp(x): autograd keeps x and the normaliser, not a second [R, V] tensor
-    lp = x.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)  # [R]
+    lp, ent = TargetLogprobs.apply(logits, target, temperature, with_entropy)  # [R], [R]
     bt = (torch.tensor(b_idx, device=device), torch.tensor(t_idx, device=device))
     logp = torch.zeros(B, T, device=device, dtype=lp.dtype).index_put(bt, lp)  # [B, T]
     mask = torch.zeros(B, T, device=device).index_put(bt, torch.ones_like(lp))  # [B, T]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = torch.zeros(B, T, device=device).index_put(bt, entropy_from_logits(x.detach()))  # [B, T]
+    entropy = torch.zeros(B, T, device=device).index_put(bt, ent) if with_entropy else None  # [B, T]
     return logp, mask, entropy
 
 
