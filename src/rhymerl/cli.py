@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
     bs.add_argument("--repeats", type=int, default=2,
-                    help="plain and HistoSpec rollouts alternate this many times; each keeps its fastest")
+                    help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its fastest")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96, help="max_completion_length of the identity check")
     bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,
