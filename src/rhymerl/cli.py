@@ -108,6 +108,9 @@ def cmd_bench_e2e(args) -> int:
     return 0
 
 
+MODEL_HELP = "built-in name, HF directory, .gguf file or hub id"
+
+
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default after its help, unless there is none or the help already names it."""
 
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample completions from a model", formatter_class=_DefaultsHelp)
     g.add_argument("prompts", nargs="*", help="prompt texts (the chat template is applied)")
     g.add_argument("--file", help="JSONL file with a 'prompt' field per row (text or chat messages)")
-    g.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    g.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     g.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
@@ -157,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (table, then a JSON line)")
     bsub = b.add_subparsers(dest="bench", required=True)
     be = bsub.add_parser("engine", help="our engine vs transformers generate", formatter_class=_DefaultsHelp)
-    be.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    be.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     be.add_argument("--dtype", default="bf16", help="bf16 | fp32, for both sides")
     be.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (slots for our engine)")
     be.add_argument("--num-prompts", type=int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(func=cmd_bench_engine)
     bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts",
                          formatter_class=_DefaultsHelp)
-    bs.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    bs.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     bs.add_argument("--dtype", default="bf16", help="dtype of the timed rollouts (identity and the fp32 tail always run in fp32)")
     bs.add_argument("--temperatures", default="0.3,0.6,1.0", help="comma-separated sampling temperatures")
     bs.add_argument("--num-prompts", type=int, default=16, help="distinct prompts (each recurs in the second epoch)")
@@ -190,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_spec)
     b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)",
                          formatter_class=_DefaultsHelp)
-    b2.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
     b2.add_argument("--num-prompts", type=int, default=8, help="size of the built-in prompt set")
     b2.add_argument("--prompts-per-step", type=int, default=2, help="prompts per GRPO step")

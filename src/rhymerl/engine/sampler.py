@@ -88,7 +88,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tup
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
     # Softmax by hand, because the sampler needs only unnormalised probabilities and the log-probs of the
     # sampled tokens: three passes over [R, V] (max, exp, sum) instead of log_softmax + exp (and no
-    # division at temperature 1), a few percent of a decode step at 32 sequences.
+    # division at temperature 1).
     z = logits if params.temperature == 1.0 else logits / params.temperature  # [R, V]
     top = z.amax(-1, keepdim=True)  # [R, 1]
     # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300);

@@ -10,7 +10,8 @@ and `RUN_DIR/checkpoints/latest` names the newest complete one (for people and t
 directories themselves).
 
 Atomicity: a checkpoint is written into `step_000010.tmp` and renamed into place, and `latest` is replaced
-by rename only after that; a crash at any moment leaves the previous checkpoint intact and named by `latest`.
+by rename only after that; a crash at any moment leaves the previous checkpoint intact, and a resume finds
+the newest complete one.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class TargetLogprobs(torch.autograd.Function):
 
     The same values and gradients as `x = logits.float() / temperature; x.gather(target) - logsumexp(x)`
     (bit for bit: the same kernels per row), but it walks the [R, V] logits in row chunks that stay in
-    cache, and keeps only the logits and the [R] normaliser for the backward, not an fp32 copy. Past the
-    lm_head matmul itself this is the update's largest cost: at GRPO sizes R is ~1000 rows per micro-batch.
+    cache, and keeps only the logits and the [R] normaliser for the backward, not an fp32 copy (at GRPO
+    sizes R is ~1000 rows per micro-batch, so that copy is ~200 MB).
     """
 
     @staticmethod
@@ -85,9 +85,7 @@ class TargetLogprobs(torch.autograd.Function):
         entropy = torch.zeros_like(logp)
         for i in range(0, rows, ROWS_PER_CHUNK):
             c = slice(i, i + ROWS_PER_CHUNK)
-            x = logits[c].float()  # [C, V]
-            if temperature != 1.0:
-                x = x / temperature
+            x = _scaled(logits[c], temperature)  # [C, V]
             log_norm[c] = torch.logsumexp(x, dim=-1)
             logp[c] = x.gather(1, target[c, None]).squeeze(1) - log_norm[c]
             if with_entropy:  # H = log Z - sum_i p_i x_i
@@ -105,14 +103,18 @@ class TargetLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], ROWS_PER_CHUNK):
             c = slice(i, i + ROWS_PER_CHUNK)
-            x = logits[c].float()
-            if temperature != 1.0:
-                x = x / temperature
+            x = _scaled(logits[c], temperature)  # [C, V]
             g = grad_logp[c, None]  # [C, 1]
             # d logp / dx = onehot(target) - softmax(x)
             d = (x - log_norm[c, None]).exp_().mul_(-g).scatter_add_(1, target[c, None], g)
             grad[c] = d.div_(temperature) if temperature != 1.0 else d
         return grad, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature (no division at 1), as the engine's sampler scales them."""
+    x = logits.float()
+    return x if temperature == 1.0 else x / temperature
 
 
 def token_logprobs(model: Decoder, batch: list[Sample], temperature: float, autocast: torch.dtype | None,
