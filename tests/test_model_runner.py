@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from rhymerl.engine.model_runner import SMALL_STEP, ModelRunner, SlotInput
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
@@ -105,3 +105,23 @@ def test_stale_cache_contents_never_leak():
     logits = runner.run([SlotInput(0, len(a), [7]), SlotInput(5, len(c), [9])])
     torch.testing.assert_close(logits[0], dense_logits(model, a + [7])[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], dense_logits(model, c + [9])[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_every_kind_of_step_in_one_forward():
+    """A decode row and a draft tree (one attention group, padded to the tree's size, their slots sparse
+    in the range so their rows are gathered) beside a prefill longer than SMALL_STEP (a group of its
+    own), each against dense recomputation."""
+    model, runner = make_runner(slots=8)
+    a, b = random_prompts(2, seed=12)
+    long_prompt = random_prompts(1, lo=SMALL_STEP + 5, hi=SMALL_STEP + 5, seed=13)[0]
+    runner.run([SlotInput(0, 0, a[:-1]), SlotInput(7, 0, b[:-1])])
+    tree = [b[-1], 11, 22, 33, 44, 55, 66]
+    logits = runner.run([SlotInput(0, len(a) - 1, a[-1:]), SlotInput(3, 0, long_prompt),
+                         SlotInput(7, len(b) - 1, tree, PARENTS)])
+    torch.testing.assert_close(logits[0], dense_logits(model, a)[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1 : 1 + len(long_prompt)], dense_logits(model, long_prompt), atol=1e-5,
+                               rtol=1e-5)
+    tree_logits = logits[1 + len(long_prompt) :]
+    for path in PATHS:
+        ref = dense_logits(model, b[:-1] + [tree[i] for i in path])[len(b) - 1 :]
+        torch.testing.assert_close(tree_logits[path], ref, atol=1e-5, rtol=1e-5)
