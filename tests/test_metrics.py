@@ -148,12 +148,14 @@ def test_report_writes_all_plots(tmp_path):
 
 def test_report_skips_absent_plots(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(0, {"data/skipped_long_prompts": 0})  # the loop's starting-point row: not a training step
         for step in range(1, 6):
             logger.log(step, {"critic/rewards/mean": 0.1 * step, "timing_s/rollout": 1.0, "timing_s/step": 1.5})
     paths = write_report(tmp_path, out_dir=tmp_path / "plots")
     assert sorted(p.name for p in paths) == ["reward.png", "timing.png"]
     assert all(p.parent == tmp_path / "plots" for p in paths)
     s = summary(tmp_path)
+    assert s["steps"] == 5 and s["last_step"] == 5
     assert s["val_accuracy_last"] is None and s["accept_rate_mean"] is None
 
 

@@ -64,9 +64,10 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
 def summary(run_dir: str | os.PathLike) -> dict:
     """Headline numbers of a run; a value is None when its metric was never logged.
 
-    Keys: steps, last_step, reward_first, reward_last, reward_max (critic/rewards/mean),
-    val_accuracy_last (val/accuracy), step_time_median_s (timing_s/step), accept_rate_mean
-    (rollout/spec_accept_rate). Raises FileNotFoundError as write_report does.
+    Keys: steps (training steps logged; the step-0 row, the run's starting point, is not one), last_step,
+    reward_first, reward_last, reward_max (critic/rewards/mean), val_accuracy_last (val/accuracy),
+    step_time_median_s (timing_s/step), accept_rate_mean (rollout/spec_accept_rate). Raises
+    FileNotFoundError as write_report does.
     """
     rows = _load(run_dir)
     _, rewards = _series(rows, "critic/rewards/mean")
@@ -74,7 +75,7 @@ def summary(run_dir: str | os.PathLike) -> dict:
     _, step_times = _series(rows, TIMING_TOTAL)
     _, accept = _series(rows, "rollout/spec_accept_rate")
     return {
-        "steps": len(rows),
+        "steps": sum(1 for row in rows if row["step"] > 0),
         "last_step": rows[-1]["step"],
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
