@@ -115,8 +115,8 @@ class TrainSection:
 
     total_steps: int = _opt(40, "optimiser steps (each on one rollout batch)")
     prompts_per_step: int = _opt(4, "prompts per rollout batch (x num_generations completions)")
-    # 16: on the 2-core CPU the default job's update ran faster as two micro-batches of 16 than as four of
-    # 8 (fewer, larger matmuls), and slower again at 32 (one-off timings of `PolicyTrainer.update`)
+    # 16: fewer, larger matmuls per update than 8, chosen from one-off timings of `PolicyTrainer.update` on
+    # the 2-core CPU; no bench command times the update alone, so no figure is claimed for it
     micro_batch_size: int = _opt(16, "sequences per forward/backward")
     learning_rate: float = _opt(2e-5, "peak learning rate")
     lr_scheduler: str = _opt("constant", "learning-rate schedule after warmup", LR_SCHEDULERS)

@@ -56,8 +56,7 @@ def _bucket(n: int) -> int:
     """Attention group of a slot feeding n tokens: every decode row and draft tree together (0), prefill
     chunks by size (17-32, 33-64, 65+). Attention over a slot range reads every slot's keys/values in it,
     so splitting the small steps by size (as an earlier version did) read the cache once per size class;
-    one call padded to the largest tree reads it once (measured on a recorded T=0.3 HistoSpec rollout:
-    -8% forward time; plain decoding -4%)."""
+    one call padded to the largest tree reads it once (`rhymerl bench spec` in docs/benchmarks.md)."""
     return 0 if n <= SMALL_STEP else min((n - 1).bit_length(), 7)
 
 
