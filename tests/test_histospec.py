@@ -5,7 +5,7 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import PROBE_EVERY, AIMDLength, CostModel, DoublingLength, Speculator, _edge_events, verify
+from rhymerl.engine.speculator import PROBE_EVERY, PROBE_MAX, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel, DoublingLength, Speculator, _edge_events, is_probe_step, verify
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
@@ -159,10 +159,16 @@ def test_measured_cost_model_and_bad_mode(model):
         Engine(model, speculative="medusa")
 
 
+def test_probe_steps_thin_out():
+    idle = range(300)
+    assert [i for i in idle if is_probe_step(i)] == (list(range(PROBE_EVERY)) + [8, 16, 32]
+                                                     + list(range(PROBE_MAX, 300, PROBE_MAX)))
+
+
 def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
-    """After PROBE_EVERY steps with a zero budget the drafter only runs every PROBE_EVERY-th step."""
+    """After PROBE_EVERY steps with a zero budget the drafter only runs on probe steps."""
     prompts = random_prompts(2, seed=25)
-    params = SamplingParams(temperature=0, max_tokens=60)
+    params = SamplingParams(temperature=0, max_tokens=80)
     eng = engine(model, "histospec", history_of(model, prompts, params, n_gen=1), cost=STEEP, slots=2)
     calls = []
     draft = eng.speculator.drafter.draft
@@ -170,7 +176,26 @@ def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
     eng.generate(prompts, params)
     steps = eng.stats.forward_passes - 1  # the first step only prefills
     assert eng.speculator.stats.drafted == 0
-    assert len(calls) <= 2 * (PROBE_EVERY + steps // PROBE_EVERY + 1) < 2 * steps
+    assert 0 < len(calls) == 2 * sum(map(is_probe_step, range(steps))) <= 2 * (PROBE_EVERY + 4)
+
+
+def test_indexes_catch_up_with_every_committed_token(model):
+    """Committed tokens are buffered until a sequence drafts: after a flush, each sequence's own index
+    holds prompt + output and the siblings' index every sibling's prompt tail + output, exactly."""
+    prompt = random_prompts(1, seed=26)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=3)
+    eng = engine(model, "histospec", None, cost=STEEP)
+    specs = []
+    start = eng.speculator.start
+    eng.speculator.start = lambda *a: specs.append(start(*a)) or specs[-1]
+    outs = eng.generate([prompt] * 3, params)
+    assert len(specs) == 3 and any(s.unindexed for s in specs)  # drafting was off: nothing indexed yet
+    for spec, out in zip(specs, outs):
+        spec.flush()
+        assert spec.own.sequence(0) == prompt + out.token_ids
+        assert spec.group.index.sequence(spec.sibling_id) == prompt[-SIBLING_PROMPT_TOKENS:] + out.token_ids
+        spec.own.check_integrity()
+        spec.group.index.check_integrity()
 
 
 def test_edge_events_count_each_reached_node_once():

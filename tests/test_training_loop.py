@@ -244,10 +244,12 @@ def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
     cfg = load_config(None, _overrides(tiny_dir, tmp_path / "run", "train.total_steps=2", "val.every=0"))
     run_dir = TrainingRun(cfg, cost_model=FLAT).run()
     s = spec_bench.run("unused", "fp32", (1.0,), num_prompts=4, num_generations=2, slots=4, max_tokens=8,
-                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir)
+                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir, repeats=1, epoch_seeds=2)
     row = s["temperatures"]["1.0"]
     assert s["data"] == f"history-from:{run_dir}" and s["num_prompts"] == 4
     assert row["identity_rate"] == 1.0 and row["tokens_plain"] == row["tokens_spec"]
+    # two timed epochs (4 prompts x 2 generations each), totalled
+    assert len(row["speedup_by_seed"]) == 2 and row["forwards_plain"] >= 2 * 8 and row["identity_rate_bf16"] == 1.0
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         spec_bench.run("unused", "fp32", (1.0,), history_from=tmp_path)
 

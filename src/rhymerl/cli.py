@@ -93,7 +93,7 @@ def cmd_bench_spec(args) -> int:
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
-                             args.max_draft_tokens, args.history_from, args.repeats)
+                             args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds)
     spec_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
     bs.add_argument("--repeats", type=int, default=2,
                     help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its fastest")
+    bs.add_argument("--epoch-seeds", type=int, default=1,
+                    help="timed epochs with seeds seed+2000, seed+2001, ...; figures are totals over them (the tail and "
+                         "identity use the first)")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
     bs.add_argument("--identity-max-tokens", type=int, default=96, help="max_completion_length of the identity check")
     bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,

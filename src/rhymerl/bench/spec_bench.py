@@ -96,9 +96,11 @@ def _tail(make_engine, prompts, request_ids, params, suffix: str, repeats: int) 
 
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2) -> dict:
+        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1) -> dict:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if epoch_seeds < 1:
+        raise ValueError(f"--epoch-seeds must be >= 1, got {epoch_seeds}")
     run_history = None
     if history_from is not None:
         ckpt = latest_checkpoint(Path(history_from))
@@ -125,7 +127,6 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
     results = {}
     for temp in temperatures:
         epoch1 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 1000)
-        epoch2 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000)
         if run_history is not None:
             history = run_history
         else:
@@ -134,33 +135,55 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             for i, p in enumerate(prompts):
                 history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
         # Plain and HistoSpec alternate `repeats` times, each keeping its fastest run: this machine's speed
-        # drifts by several percent over minutes, and noise only ever adds time.
-        best: dict[str, tuple] = {}
-        for _ in range(repeats):
-            for mode in ("off", "histospec"):
-                engine = make(model, mode, history)
-                outs, seconds = rollout(engine, prompts, num_generations, epoch2)
-                if mode not in best or seconds < best[mode][1]:
-                    best[mode] = (outs, seconds, engine)
-        (plain, plain_s, plain_engine), (spec, spec_s, spec_engine) = best["off"], best["histospec"]
-        ps, ss, sp = plain_engine.stats, spec_engine.stats, spec_engine.speculator.stats
+        # drifts by several percent over minutes, and noise only ever adds time. With several epoch seeds
+        # the figures are totals over the seeds: in bf16 the two sides sample different responses (see
+        # identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way.
+        runs = []  # per epoch seed: {mode: (outputs, seconds, engine)}
+        for k in range(epoch_seeds):
+            params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k)
+            best: dict[str, tuple] = {}
+            for _ in range(repeats):
+                for mode in ("off", "histospec"):
+                    engine = make(model, mode, history)
+                    outs, seconds = rollout(engine, prompts, num_generations, params)
+                    if mode not in best or seconds < best[mode][1]:
+                        best[mode] = (outs, seconds, engine)
+            runs.append(best)
+        plain = [o for r in runs for o in r["off"][0]]
+        spec = [o for r in runs for o in r["histospec"][0]]
+        plain_s, spec_s = sum(r["off"][1] for r in runs), sum(r["histospec"][1] for r in runs)
+        ps = [r["off"][2].stats for r in runs]
+        ss = [r["histospec"][2].stats for r in runs]
+        sp = [r["histospec"][2].speculator.stats for r in runs]
+        tokens_plain, tokens_spec = sum(x.generated_tokens for x in ps), sum(x.generated_tokens for x in ss)
+        drafted, accepted = sum(x.drafted for x in sp), sum(x.accepted for x in sp)
+        verify_steps = sum(x.verify_steps for x in sp)
         row = {
-            "entropy": round(mean_entropy(model, prompts, plain, num_generations, temp), 3),
-            "tokens_plain": ps.generated_tokens, "tokens_spec": ss.generated_tokens,
+            "entropy": round(mean_entropy(model, prompts, runs[0]["off"][0], num_generations, temp), 3),
+            "tokens_plain": tokens_plain, "tokens_spec": tokens_spec,
             "plain_s": round(plain_s, 2), "spec_s": round(spec_s, 2),
-            "plain_tok_s": round(ps.generated_tokens / plain_s, 1), "spec_tok_s": round(ss.generated_tokens / spec_s, 1),
-            "speedup": round((ss.generated_tokens / spec_s) / (ps.generated_tokens / plain_s), 3),
-            "accept_rate": round(sp.accept_rate, 3), "mean_accepted_len": round(sp.mean_accepted_len, 2),
-            "tokens_per_forward": round(ss.tokens_per_seq_forward, 3),
-            "forwards_plain": ps.forward_passes, "forwards_spec": ss.forward_passes,
-            "drafted": sp.drafted, "accepted": sp.accepted, "accepted_by_source": dict(sp.accepted_by_source),
-            "draft_time_share": round(sp.draft_s / max(ss.busy_s, 1e-9), 3),
+            "plain_tok_s": round(tokens_plain / plain_s, 1), "spec_tok_s": round(tokens_spec / spec_s, 1),
+            "speedup": round((tokens_spec / spec_s) / (tokens_plain / plain_s), 3),
+            "accept_rate": round(accepted / max(drafted, 1), 3),
+            "mean_accepted_len": round(accepted / max(verify_steps, 1), 2),
+            "tokens_per_forward": round(tokens_spec / max(sum(x.seq_steps for x in ss), 1), 3),
+            "forwards_plain": sum(x.forward_passes for x in ps), "forwards_spec": sum(x.forward_passes for x in ss),
+            "drafted": drafted, "accepted": accepted,
+            "accepted_by_source": {k: sum(x.accepted_by_source[k] for x in sp) for k in sp[0].accepted_by_source},
+            "draft_time_share": round(sum(x.draft_s for x in sp) / max(sum(x.busy_s for x in ss), 1e-9), 3),
             "identity_rate_bf16": round(identity(plain, spec), 3),
         }
-        # The long tail: the TAIL longest requests of the plain run, alone in TAIL slots, plain vs HistoSpec.
+        if epoch_seeds > 1:
+            row["speedup_by_seed"] = [
+                round((r["histospec"][2].stats.generated_tokens / r["histospec"][1])
+                      / (r["off"][2].stats.generated_tokens / r["off"][1]), 3) for r in runs]
+        # The long tail (first epoch seed): the TAIL longest requests of the plain run, alone in TAIL slots,
+        # plain vs HistoSpec.
         # In bf16 the two runs of those requests diverge (a 1-token and a many-token forward round
         # differently), so they generate different lengths and the bf16 figure compares different work;
         # in fp32 they generate the same tokens (checked), so the fp32 figure is like for like.
+        plain = runs[0]["off"][0]
+        epoch2 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000)
         longest = sorted(range(len(plain)), key=lambda k: -len(plain[k].token_ids))[:TAIL]
         tail_prompts = [prompts[k // num_generations] for k in longest]
         tail_ids = [f"{k // num_generations}-{k % num_generations}" for k in longest]
@@ -180,6 +203,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
     return {"model": model_name, "dtype": dtype, "device": "cpu", "threads": torch.get_num_threads(),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
             "max_tokens": max_tokens, "draft_rule": draft_rule, "repeats": repeats,
+            "epoch_seeds": epoch_seeds,
             "data": f"history-from:{history_from}" if history_from else data or "builtin:arithmetic",
             "temperatures": results}
 

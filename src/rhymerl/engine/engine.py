@@ -238,10 +238,12 @@ class Engine:
         # Only decoding sequences draft, and only while their draft fits in the context.
         decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids)
                     and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
+        drafts = [empty] * len(seqs)
+        if not decoding or self.speculator.drafting_paused(len(seqs)):
+            return drafts
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
-        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs)) if decoding else []
-        drafts = [empty] * len(seqs)
+        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs))
         for i, d in zip(decoding, proposed):
             drafts[i] = d
         return drafts

@@ -17,7 +17,19 @@ from rhymerl.spec.history import HistoryStore
 from rhymerl.spec.suffix_index import SuffixIndex
 
 SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
-PROBE_EVERY = 8  # once drafts stopped paying, draft only every 8th step to see whether they pay again
+# Once drafts stopped paying (PROBE_EVERY steps in a row with a zero budget), drafting itself is skipped
+# except on probe steps, which watch whether drafts pay again (the tail, a more predictable prompt): after
+# 8, 16, 32 and 64 such steps, then every 64th. The gap grows because every probe that finds nothing costs
+# a whole step's drafting, and at a high temperature that is every probe.
+PROBE_EVERY = 8
+PROBE_MAX = 64
+
+
+def is_probe_step(idle: int) -> bool:
+    """Whether a step after `idle` consecutive zero-budget steps drafts (see PROBE_EVERY)."""
+    if idle < PROBE_EVERY:
+        return True
+    return idle & (idle - 1) == 0 if idle < PROBE_MAX else idle % PROBE_MAX == 0
 
 
 # ---- draft length per sequence ------------------------------------------------------------------
@@ -120,16 +132,41 @@ class SpecStats:
 
 
 @dataclass
+class SiblingGroup:
+    """The responses of the sequences sharing a prompt in this batch, as one suffix index (one sequence per
+    sibling), plus the tokens committed since the index was last read: the index is only read when
+    drafting, so it catches up then (`flush`) and not after every step."""
+
+    index: SuffixIndex = field(default_factory=SuffixIndex)
+    unindexed: dict[int, list[int]] = field(default_factory=dict)  # sibling id -> tokens not in `index` yet
+
+    def flush(self) -> None:
+        for sid, tokens in self.unindexed.items():
+            if tokens:
+                self.index.extend(sid, tokens)
+                tokens.clear()
+
+
+@dataclass
 class SeqSpec:
-    """A sequence's speculation state: its own index, its place among its siblings, its draft length."""
+    """A sequence's speculation state: its own index, its place among its siblings, its draft length.
+    Committed tokens reach `own` (and the group) only when the sequence drafts next: a sequence that
+    finishes first, or a step where drafting is paused, never pays for indexing them."""
 
     own: SuffixIndex
-    group: SuffixIndex
+    group: SiblingGroup
     sibling_id: int
     history: SuffixIndex | None
     length: int
     drafted: int = 0
     accepted: int = 0
+    unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
+
+    def flush(self) -> None:
+        if self.unindexed:
+            self.own.extend(0, self.unindexed)
+            self.unindexed.clear()
+        self.group.flush()
 
 
 class Speculator:
@@ -144,7 +181,7 @@ class Speculator:
         self.drafter = Drafter(history, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
                                max_branches=max_branches, eos_token_ids=eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
-        self.groups: dict = {}  # group key -> sibling SuffixIndex
+        self.groups: dict[object, SiblingGroup] = {}  # group key -> the siblings' index
         self.stats = SpecStats()
         # Per-edge calibration, by depth: how often the policy actually continues along a drafted edge out
         # of a node at depth d (0 = the committed token), relative to the drafter's count share for it.
@@ -157,8 +194,7 @@ class Speculator:
         self._calib_num = [0.0] * (max_draft_tokens + 1)  # decayed continuations seen at each depth
         self._calib_den = [0.0] * (max_draft_tokens + 1)  # decayed continuations predicted at each depth
         # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
-        # drafting itself is skipped except every PROBE_EVERY-th step, which keeps watching whether
-        # drafts started to pay (the tail, a more predictable prompt) at almost no cost.
+        # drafting itself is skipped except on probe steps (`is_probe_step`).
         self._idle: dict[int, int] = {}
         # Measured / predicted step time, for drafting and for plain steps, per batch-size bucket: a real
         # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
@@ -168,20 +204,33 @@ class Speculator:
 
     def start(self, group_key, prompt_ids: list[int]) -> SeqSpec:
         """Called when a sequence enters a slot."""
-        group = self.groups.setdefault(group_key, SuffixIndex())
+        group = self.groups.setdefault(group_key, SiblingGroup())
         own = SuffixIndex()
         own.add(prompt_ids)
-        sid = group.add(prompt_ids[-SIBLING_PROMPT_TOKENS:])
+        sid = group.index.add(prompt_ids[-SIBLING_PROMPT_TOKENS:])
         history = self.history.index(prompt_ids) if self.history is not None else None
         return SeqSpec(own, group, sid, history, self.rule.start)
 
     def observe(self, spec: SeqSpec, new_tokens: list[int]) -> None:
-        """Called with the tokens a sequence committed this step (feeds its own and its group's index)."""
-        spec.own.extend(0, new_tokens)
-        spec.group.extend(spec.sibling_id, new_tokens)
+        """Called with the tokens a sequence committed this step, for its own and its group's index
+        (buffered until the next draft reads them: `SeqSpec.flush`)."""
+        spec.unindexed += new_tokens
+        spec.group.unindexed.setdefault(spec.sibling_id, []).extend(new_tokens)
 
     def clear_groups(self) -> None:
         self.groups.clear()
+
+    def drafting_paused(self, seqs: int) -> bool:
+        """Whether this step (with `seqs` sequences) skips drafting because drafts stopped paying and it is
+        not a probe step (`is_probe_step`). A paused step counts as one more zero-budget step; call
+        `propose` only when this says False."""
+        bucket = seqs.bit_length()
+        idle = self._idle.get(bucket, 0)
+        if is_probe_step(idle):
+            return False
+        self._idle[bucket] = idle + 1
+        self._pending = None
+        return True
 
     def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int) -> list[Draft]:
         """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the per-sequence
@@ -195,11 +244,9 @@ class Speculator:
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
-        if idle >= PROBE_EVERY and idle % PROBE_EVERY:
-            self._idle[bucket] = idle + 1
-            self._pending = None
-            return [Draft() for _ in contexts]
-        drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group, own=s.own, max_tokens=s.length)
+        for s in specs:
+            s.flush()
+        drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
         reach = self.depth_discounts()
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
