@@ -65,15 +65,22 @@ def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, ids, top)
 
 
-def sample_columns(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def _blocks(probs: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R, ceil(V / BLOCK), BLOCK], zero-padded (a view when BLOCK divides V)."""
+    pad = (-probs.shape[-1]) % BLOCK
+    return (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(probs.shape[0], -1, BLOCK)
+
+
+def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """probs [R, V] (unnormalised, >= 0, a positive entry per row), keys [R] int64 -> [R, 1] sampled
-    columns, by the two-level keyed Gumbel-max of the module docstring. A zero column is never chosen."""
-    r, v = probs.shape
-    pad = (-v) % BLOCK
-    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)  # [R, nb, 256]
-    nb = blocks.shape[1]
-    block_ids = torch.arange(nb, device=probs.device)
-    b = (blocks.sum(-1).double().log() + _gumbel(keys, block_ids)).argmax(-1)  # [R]
+    columns, by the two-level keyed Gumbel-max of the module docstring. A zero column is never chosen.
+    `block_mass` [R, nb]: the blocks' sums of `probs`, when the caller has them already."""
+    r = probs.shape[0]
+    blocks = _blocks(probs)  # [R, nb, 256]
+    if block_mass is None:
+        block_mass = blocks.sum(-1)
+    block_ids = torch.arange(blocks.shape[1], device=probs.device)
+    b = (block_mass.double().log() + _gumbel(keys, block_ids)).argmax(-1)  # [R]
     inner = blocks[torch.arange(r, device=probs.device), b].double()  # [R, 256]
     cols = b[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)  # [R, 256] vocabulary ids
     c = (inner.log() + _gumbel(keys, cols + _TOKEN_SALT)).argmax(-1)  # log 0 = -inf: never chosen
@@ -86,15 +93,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tup
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
-    # Softmax by hand, because the sampler needs only unnormalised probabilities and the log-probs of the
-    # sampled tokens: three passes over [R, V] (max, exp, sum) instead of log_softmax + exp (and no
-    # division at temperature 1).
-    z = logits if params.temperature == 1.0 else logits / params.temperature  # [R, V]
-    top = z.amax(-1, keepdim=True)  # [R, 1]
-    # The floor keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300);
-    # it adds at most 49152 * e^-80 < 1e-30 of relative mass.
-    probs = (z - top).clamp_(min=-80.0).exp_()  # [R, V], max 1
-    log_norm = probs.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - top - log_norm
+    # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
+    # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
+    # whose sum is the normaliser) where log_softmax + exp + sums take seven.
+    inv_t = 1.0 / params.temperature
+    top = logits.amax(-1, keepdim=True)  # [R, 1]
+    # (logits - top) / T, i.e. z - max(z) for z = logits / T, in one pass (0 at the maximum). The floor
+    # keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300); it adds
+    # at most 49152 * e^-80 < 1e-30 of relative mass.
+    probs = torch.add(top * -inv_t, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
+    mass = _blocks(probs).sum(-1)  # [R, nb]
+    log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
     key_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
-    tokens = sample_columns(filtered_probs(probs, params), key_t)  # [R, 1]
-    return tokens[:, 0].tolist(), ((z.gather(-1, tokens) - top) - log_norm)[:, 0].tolist()
+    kept = filtered_probs(probs, params)
+    tokens = sample_columns(kept, key_t, mass if kept is probs else None)  # [R, 1]
+    shifted = torch.add(top * -inv_t, logits.gather(-1, tokens), alpha=inv_t)  # the same arithmetic as above
+    return tokens[:, 0].tolist(), (shifted - log_norm)[:, 0].tolist()
