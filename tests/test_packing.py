@@ -37,3 +37,14 @@ def test_training_path_ignores_packing():
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
     model(ids).float().sum().backward()
     assert model.layers[1].self_attn.qkv_proj.weight.grad is not None
+
+
+def test_packed_fp32_path_matches_plain():
+    """In fp32 the prepacked path differs from the plain one only by summation order."""
+    model = tiny_decoder("qwen3", torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        plain = model(ids)
+        assert model.enable_packing()
+        packed = model(ids)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
