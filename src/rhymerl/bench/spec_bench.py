@@ -4,7 +4,9 @@ Epoch 1 (plain decoding, its own seed) fills the history store, as the previous 
 runs the same prompts with a new seed, plain and HistoSpec (alternating, `repeats` times each, the fastest
 run of each counts), with identical request ids and seeds,
 so the two must produce the same tokens (checked in fp32 on a subset; bf16 rounds a 1-token and a
-many-token forward differently, so its identity rate is only reported). The long tail: the 4 longest
+many-token forward differently, so its identity rate is only reported). With `epoch_seeds` > 1, epoch 2 is
+sampled that many times (seeds seed + 2000, seed + 2001, ...) and the figures are totals over them: in
+bf16 the two sides' samples differ, and one sample's response lengths move its tokens/s. The long tail: the 4 longest
 requests of the plain run, run alone in 4 slots, plain and HistoSpec, in bf16 (where the two runs generate
 different tokens, so different amounts of work) and in fp32 (the same tokens: like for like).
 
@@ -149,8 +151,8 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
                     if mode not in best or seconds < best[mode][1]:
                         best[mode] = (outs, seconds, engine)
             runs.append(best)
-        plain = [o for r in runs for o in r["off"][0]]
-        spec = [o for r in runs for o in r["histospec"][0]]
+        plain_all = [o for r in runs for o in r["off"][0]]  # every epoch's outputs, for the identity rate
+        spec_all = [o for r in runs for o in r["histospec"][0]]
         plain_s, spec_s = sum(r["off"][1] for r in runs), sum(r["histospec"][1] for r in runs)
         ps = [r["off"][2].stats for r in runs]
         ss = [r["histospec"][2].stats for r in runs]
@@ -171,7 +173,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "drafted": drafted, "accepted": accepted,
             "accepted_by_source": {k: sum(x.accepted_by_source[k] for x in sp) for k in sp[0].accepted_by_source},
             "draft_time_share": round(sum(x.draft_s for x in sp) / max(sum(x.busy_s for x in ss), 1e-9), 3),
-            "identity_rate_bf16": round(identity(plain, spec), 3),
+            "identity_rate_bf16": round(identity(plain_all, spec_all), 3),
         }
         if epoch_seeds > 1:
             row["speedup_by_seed"] = [

@@ -65,24 +65,26 @@ def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, ids, top)
 
 
-def _blocks(probs: torch.Tensor) -> torch.Tensor:
-    """[R, V] -> [R, ceil(V / BLOCK), BLOCK], zero-padded (a view when BLOCK divides V)."""
-    pad = (-probs.shape[-1]) % BLOCK
-    return (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(probs.shape[0], -1, BLOCK)
+def _block_mass(probs: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R, ceil(V / BLOCK)]: the sum of each block of BLOCK columns (the last may be shorter)."""
+    r, v = probs.shape
+    full = v - v % BLOCK
+    mass = probs[:, :full].view(r, -1, BLOCK).sum(-1)
+    return torch.cat((mass, probs[:, full:].sum(-1, keepdim=True)), dim=1) if full < v else mass
 
 
 def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Tensor | None = None) -> torch.Tensor:
     """probs [R, V] (unnormalised, >= 0, a positive entry per row), keys [R] int64 -> [R, 1] sampled
     columns, by the two-level keyed Gumbel-max of the module docstring. A zero column is never chosen.
-    `block_mass` [R, nb]: the blocks' sums of `probs`, when the caller has them already."""
-    r = probs.shape[0]
-    blocks = _blocks(probs)  # [R, nb, 256]
+    `block_mass` [R, nb]: `_block_mass(probs)`, when the caller has it already."""
+    v = probs.shape[1]
     if block_mass is None:
-        block_mass = blocks.sum(-1)
-    block_ids = torch.arange(blocks.shape[1], device=probs.device)
+        block_mass = _block_mass(probs)
+    block_ids = torch.arange(block_mass.shape[1], device=probs.device)
     b = (block_mass.double().log() + _gumbel(keys, block_ids)).argmax(-1)  # [R]
-    inner = blocks[torch.arange(r, device=probs.device), b].double()  # [R, 256]
     cols = b[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)  # [R, 256] vocabulary ids
+    # the chosen block's columns; past the vocabulary's end (a short last block) probability 0
+    inner = probs.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)  # [R, 256]
     c = (inner.log() + _gumbel(keys, cols + _TOKEN_SALT)).argmax(-1)  # log 0 = -inf: never chosen
     return (b * BLOCK + c)[:, None]
 
@@ -102,7 +104,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tup
     # keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300); it adds
     # at most 49152 * e^-80 < 1e-30 of relative mass.
     probs = torch.add(top * -inv_t, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
-    mass = _blocks(probs).sum(-1)  # [R, nb]
+    mass = _block_mass(probs)  # [R, nb]
     log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
     key_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
     kept = filtered_probs(probs, params)
