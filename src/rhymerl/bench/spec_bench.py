@@ -96,6 +96,11 @@ def _tail(make_engine, prompts, request_ids, params, suffix: str, repeats: int) 
     return out
 
 
+def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float) -> float:
+    """HistoSpec tokens/s over plain tokens/s."""
+    return round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3)
+
+
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
         seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1) -> dict:
@@ -140,9 +145,9 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
         # drifts by several percent over minutes, and noise only ever adds time. With several epoch seeds
         # the figures are totals over the seeds: in bf16 the two sides sample different responses (see
         # identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way.
+        epoch2 = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k) for k in range(epoch_seeds)]
         runs = []  # per epoch seed: {mode: (outputs, seconds, engine)}
-        for k in range(epoch_seeds):
-            params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k)
+        for params in epoch2:
             best: dict[str, tuple] = {}
             for _ in range(repeats):
                 for mode in ("off", "histospec"):
@@ -165,7 +170,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "tokens_plain": tokens_plain, "tokens_spec": tokens_spec,
             "plain_s": round(plain_s, 2), "spec_s": round(spec_s, 2),
             "plain_tok_s": round(tokens_plain / plain_s, 1), "spec_tok_s": round(tokens_spec / spec_s, 1),
-            "speedup": round((tokens_spec / spec_s) / (tokens_plain / plain_s), 3),
+            "speedup": _speedup(tokens_spec, spec_s, tokens_plain, plain_s),
             "accept_rate": round(accepted / max(drafted, 1), 3),
             "mean_accepted_len": round(accepted / max(verify_steps, 1), 2),
             "tokens_per_forward": round(tokens_spec / max(sum(x.seq_steps for x in ss), 1), 3),
@@ -176,23 +181,21 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "identity_rate_bf16": round(identity(plain_all, spec_all), 3),
         }
         if epoch_seeds > 1:
-            row["speedup_by_seed"] = [
-                round((r["histospec"][2].stats.generated_tokens / r["histospec"][1])
-                      / (r["off"][2].stats.generated_tokens / r["off"][1]), 3) for r in runs]
+            row["speedup_by_seed"] = [_speedup(spec_st.generated_tokens, r["histospec"][1], plain_st.generated_tokens, r["off"][1])
+                                      for r, spec_st, plain_st in zip(runs, ss, ps)]
         # The long tail (first epoch seed): the TAIL longest requests of the plain run, alone in TAIL slots,
         # plain vs HistoSpec.
         # In bf16 the two runs of those requests diverge (a 1-token and a many-token forward round
         # differently), so they generate different lengths and the bf16 figure compares different work;
         # in fp32 they generate the same tokens (checked), so the fp32 figure is like for like.
         plain = runs[0]["off"][0]
-        epoch2 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000)
         longest = sorted(range(len(plain)), key=lambda k: -len(plain[k].token_ids))[:TAIL]
         tail_prompts = [prompts[k // num_generations] for k in longest]
         tail_ids = [f"{k // num_generations}-{k % num_generations}" for k in longest]
-        row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2, "",
+        row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0], "",
                          repeats))
         if fp32 is not None:
-            row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2,
+            row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0],
                              "_fp32", repeats))
             sub = prompts[:identity_prompts]
             length = max(map(len, sub)) + identity_max_tokens

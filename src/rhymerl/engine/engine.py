@@ -286,8 +286,8 @@ class Engine:
         for params, ks in groups.items():
             keys = [draw_key(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
             sel = [rows[k] for k in ks]
-            # all rows in order (a plain step): no 6 MB copy of the logits; index_select copies the rows
-            # of a tree level about twice as fast as logits[sel] does
+            # all rows in order (a plain step): no 6 MB copy of the logits; otherwise index_select, the
+            # cheaper of the two row copies torch offers (advanced indexing goes through index_put machinery)
             rows_t = None if sel == list(range(len(logits))) else torch.tensor(sel, device=logits.device)
             toks, lps = sample(logits if rows_t is None else logits.index_select(0, rows_t), params, keys)
             for k, t, lp in zip(ks, toks, lps):
