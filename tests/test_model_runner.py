@@ -5,14 +5,28 @@ import torch
 
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import SMALL_STEP, ModelRunner, SlotInput
+from rhymerl.model import native
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
-def make_runner(arch="llama", slots=4, max_len=64, scratch=16):
-    model = tiny_decoder(arch)
-    c = model.cfg
-    cache = KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, torch.float32, "cpu", scratch)
-    return model, ModelRunner(model, cache)
+@pytest.fixture(params=["fused", "eager"], autouse=True)
+def forward_kind(request):
+    """Every test runs both forwards: the fused CPU kernels (where they build) and the eager one."""
+    if request.param == "fused" and native.ops() is None:
+        pytest.skip("fused CPU kernels unavailable here (no C++ compiler?)")
+    return request.param
+
+
+@pytest.fixture
+def make_runner(forward_kind):
+    def make(arch="llama", slots=4, max_len=64, scratch=16):
+        model = tiny_decoder(arch)
+        c = model.cfg
+        cache = KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, torch.float32, "cpu", scratch)
+        runner = ModelRunner(model, cache, fused=forward_kind == "fused")
+        assert (runner.ops is not None) == (forward_kind == "fused")
+        return model, runner
+    return make
 
 
 def dense_logits(model, ids):
@@ -21,7 +35,7 @@ def dense_logits(model, ids):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_mixed_prefill_and_decode_in_one_forward(arch):
+def test_mixed_prefill_and_decode_in_one_forward(make_runner, arch):
     model, runner = make_runner(arch)
     a, b, c = random_prompts(3, seed=5)
     runner.run([SlotInput(0, 0, a[:-1]), SlotInput(2, 0, b[:-1])])  # slots 0 and 2 hold a, b minus one
@@ -46,7 +60,7 @@ PATHS = [[0, 1, 3, 6], [0, 1, 4], [0, 2, 5]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_draft_tree_matches_each_path_run_alone(arch):
+def test_draft_tree_matches_each_path_run_alone(make_runner, arch):
     model, runner = make_runner(arch)
     prompt = random_prompts(1, lo=6, hi=6, seed=7)[0]
     tree = [11, 22, 33, 44, 55, 66, 77]
@@ -61,7 +75,7 @@ def test_draft_tree_matches_each_path_run_alone(arch):
     torch.testing.assert_close(logits[-1], dense_logits(model, other)[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_commit_keeps_the_chosen_path():
+def test_commit_keeps_the_chosen_path(make_runner):
     model, runner = make_runner()
     prompt = random_prompts(1, lo=5, hi=5, seed=9)[0]
     tree = [prompt[-1], 21, 31, 41, 51, 61, 71]
@@ -76,7 +90,7 @@ def test_commit_keeps_the_chosen_path():
     torch.testing.assert_close(logits[0], dense_logits(model, accepted + [nxt])[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_logits_from_and_bad_tree():
+def test_logits_from_and_bad_tree(make_runner):
     model, runner = make_runner()
     prompt = random_prompts(1, lo=8, hi=8, seed=10)[0]
     logits = runner.run([SlotInput(0, 0, prompt, logits_from=len(prompt) - 1)])
@@ -88,7 +102,7 @@ def test_logits_from_and_bad_tree():
         runner.run([SlotInput(2, 70, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
 
 
-def test_stale_cache_contents_never_leak():
+def test_stale_cache_contents_never_leak(make_runner):
     """Whatever earlier sequences left in the cache (here: large garbage) is invisible: only the slot's
     committed prefix and the step's own tokens are attended to, idle slots inside the attended range
     included (they are padding rows)."""
@@ -107,7 +121,7 @@ def test_stale_cache_contents_never_leak():
     torch.testing.assert_close(logits[1], dense_logits(model, c + [9])[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_every_kind_of_step_in_one_forward():
+def test_every_kind_of_step_in_one_forward(make_runner):
     """A decode row and a draft tree (one attention group, padded to the tree's size, their slots sparse
     in the range so their rows are gathered) beside a prefill longer than SMALL_STEP (a group of its
     own), each against dense recomputation."""

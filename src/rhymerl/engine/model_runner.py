@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rhymerl.engine.kv_cache import KVCache
+from rhymerl.model import native
 from rhymerl.model.decoder import Decoder
 
 
@@ -150,9 +151,16 @@ class CachedAttention:
         self.shares = [(torch.tensor(d, device=device), torch.tensor(s, device=device), n)
                        for n, (d, s) in shares.items()]
 
+    def cache_layer(self, layer: int) -> torch.Tensor:
+        return self.cache.kv[layer]  # [slots, 2KV, capacity, D]
+
     def attend(self, layer, q, kv):
-        cache = self.cache.kv[layer]  # [slots, 2KV, capacity, D]
-        cache[self.slot_of, :, self.write_pos] = kv
+        self.cache.kv[layer][self.slot_of, :, self.write_pos] = kv
+        return self.attend_written(layer, q)
+
+    def attend_written(self, layer, q):
+        """Attention for q: [N, H, D] once this step's keys/values are in the cache -> [N, H, D]."""
+        cache = self.cache.kv[layer]
         for dst, src, n in self.shares:
             cache[dst, :, :n] = cache[src, :, :n]
         if len(self.groups) == 1 and self.groups[0].token_index is None:
@@ -185,11 +193,15 @@ class CachedAttention:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, cache: KVCache):
+    """Runs the engine's forwards. On a CPU it uses the fused kernels of `rhymerl.model.native` when they
+    build (`fused=False` or RHYMERL_NATIVE=0: the eager `forward_packed`)."""
+
+    def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
         self.model = model
         self.cache = cache
         self.packed = model.enable_packing()  # prepacked bf16 weights on CPU: ~2x faster matmuls
         self.device = next(model.parameters()).device
+        self.ops = native.ops() if fused and self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def run(self, inputs: list[SlotInput]) -> torch.Tensor:
@@ -210,4 +222,6 @@ class ModelRunner:
         positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
         backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads)
+        if self.ops is not None:
+            return self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows).float()
         return self.model.forward_packed(tokens_t, positions_t, backend, logit_rows).float()

@@ -32,6 +32,20 @@ class AttentionBackend(Protocol):
         ...
 
 
+class FusedBackend(Protocol):
+    """A cached backend for `Decoder.forward_fused`, whose pre_attn kernel writes the new keys/values
+    itself: token i goes to `cache_layer(layer)[slot_of[i], :, write_pos[i]]`."""
+
+    slot_of: torch.Tensor  # [N] int64
+    write_pos: torch.Tensor  # [N] int64
+
+    def cache_layer(self, layer: int) -> torch.Tensor:  # [slots, 2*KV, capacity, D]
+        ...
+
+    def attend_written(self, layer: int, q: torch.Tensor) -> torch.Tensor:  # [N, H, D] -> [N, H, D]
+        ...
+
+
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked matmul: CPU only; bf16 where the CPU has bf16 instructions, and fp32 (see
     `rhymerl bench engine --dtype fp32` in docs/benchmarks.md)."""
@@ -60,14 +74,20 @@ class Linear(nn.Linear):
         self.packed = torch.empty(0) if cpu_packing_supported(self.weight) else None
         return self.packed is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
+    def inference_weight(self) -> tuple[torch.Tensor, bool]:
+        """(weight to multiply by, whether it is the prepacked copy), repacking first if it is stale."""
+        if self.packed is None:
+            return self.weight, False
         key = (self.weight.data_ptr(), self.weight._version)
         if key != self._packed_from:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
             self._packed_from = key
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.packed, True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.inference_weight()[0], self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -206,6 +226,37 @@ class Decoder(nn.Module):
         if logit_rows is not None:
             x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
         return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def forward_fused(
+        self,
+        tokens: torch.Tensor,  # [N] token ids, packed
+        positions: torch.Tensor,  # [N] rope positions
+        backend: "FusedBackend",
+        ops,  # rhymerl.model.native.ops(): the fused CPU kernels
+        logit_rows: torch.Tensor | None = None,  # [R] rows that need logits (None: all)
+    ) -> torch.Tensor:  # [R, vocab]
+        """`forward_packed` for rollout on a CPU, through the fused kernels of `rhymerl.model.native`: two
+        calls per layer around the attention instead of ~30 kernels. Same arithmetic up to the summation
+        order of RMSNorm and the exp of SiLU. The residual stream is carried as (x, r) with the previous
+        layer's MLP output r not yet added: each pre_attn (and the final norm) adds it while normalising."""
+        x, r, eps = self.embed_tokens(tokens), None, self.cfg.rms_norm_eps
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, packed = attn.qkv_proj.inference_weight()
+            x, q = ops.pre_attn(x, r, layer.input_layernorm.weight, qkv_w, attn.qkv_proj.bias, packed,
+                                attn.q_norm.weight if attn.q_norm is not None else None,
+                                attn.k_norm.weight if attn.k_norm is not None else None,
+                                cos, sin, backend.cache_layer(attn.layer), backend.slot_of, backend.write_pos,
+                                attn.h, attn.kv, eps)
+            out = backend.attend_written(attn.layer, q)  # [N, H, D]
+            x, r = ops.post_attn(out.reshape(out.shape[0], -1), x, attn.o_proj.inference_weight()[0],
+                                 layer.post_attention_layernorm.weight, mlp.gate_up_proj.inference_weight()[0],
+                                 mlp.down_proj.inference_weight()[0], packed, eps)
+        if logit_rows is not None:
+            x, r = x[logit_rows], r[logit_rows]
+        return self.lm_head(ops.add_rms_norm(x, r, self.norm.weight, eps)[1])
 
     def forward(
         self,

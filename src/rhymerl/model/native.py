@@ -1,0 +1,60 @@
+"""Fused CPU kernels for the rollout forward, compiled on first use and cached.
+
+`native_kernels.cpp` (next to this file) turns a decoder layer's ~30 small eager kernels and Python calls
+into two calls around the attention (`pre_attn`, `post_attn`). The engine uses them on a CPU when they
+build; the eager code in `decoder.py` stays the reference, the training path and the fallback.
+
+Building needs a C++ compiler and takes about a minute once; the library is cached under
+`$RHYMERL_CACHE/native/<hash of source and torch version>`. Where it cannot be built (no compiler, an
+unusual platform) `ops()` returns None after one warning that says why, and the engine runs the eager
+forward. `RHYMERL_NATIVE=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from rhymerl.model.fetch import CACHE_DIR
+
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
+_loaded: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("RHYMERL_NATIVE", "1") != "0"
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    return CACHE_DIR / "native" / key
+
+
+def ops():
+    """The `torch.ops.rhymerl_native` namespace, or None where the kernels are off or cannot be built."""
+    if not enabled():
+        return None
+    if "ops" not in _loaded:
+        _loaded["ops"] = _build()
+    return _loaded["ops"]
+
+
+def _build():
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    if not any(out.glob("*.so")):
+        print(f"rhymerl: compiling fused CPU kernels into {out} (once, about a minute)", file=sys.stderr)
+    try:
+        cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
+                           extra_cflags=["-O3"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a platform the source does not build on
+        warnings.warn(f"rhymerl: fused CPU kernels unavailable, using the eager forward ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})", stacklevel=3)
+        return None
+    return torch.ops.rhymerl_native

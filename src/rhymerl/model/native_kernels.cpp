@@ -1,0 +1,186 @@
+// Fused CPU kernels for the rollout forward (rhymerl/model/native.py builds and loads this file).
+//
+// Why: decoding a small model on a CPU is bound by per-op overhead as much as by arithmetic. A decoder
+// layer in eager PyTorch is ~30 small kernels and as many Python calls; here it is two calls around the
+// attention: `pre_attn` (residual add, RMSNorm, qkv matmul, q/k norm, rope, K/V cache write) and
+// `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul).
+//
+// Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
+// produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
+// the RMSNorm mean and the exp of SiLU (tests compare the two).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+using at::Tensor;
+
+// y = W x + b with the weight prepacked by oneDNN (mkldnn::_reorder_linear_weight), or a plain weight.
+Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, bool packed) {
+  if (!packed) return at::linear(x, w, b);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
+                                     c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// Rows worth a thread each: below this, OpenMP's fork costs more than the loop.
+constexpr int64_t kGrain = 16;
+
+// s = x + r (rounded to T, as the eager residual add is), y = rmsnorm(s) * w; r may be null (s = x).
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* r, T* s, T* y, const T* w, int64_t n, int64_t d, float eps) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = x + i * d;
+      T* si = s + i * d;
+      T* yi = y + i * d;
+      float ss = 0.f;
+      for (int64_t j = 0; j < d; ++j) {
+        float v = r ? static_cast<float>(static_cast<T>(static_cast<float>(xi[j]) + static_cast<float>(r[i * d + j])))
+                    : static_cast<float>(xi[j]);
+        si[j] = static_cast<T>(v);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+      for (int64_t j = 0; j < d; ++j) {
+        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(si[j]) * inv));
+        yi[j] = static_cast<T>(normed * static_cast<float>(w[j]));
+      }
+    }
+  });
+}
+
+// One head of q or k: optional per-head RMSNorm (Qwen3), then rotate-half rope with `cos` and the signed
+// `sin` of decoder.rope_tables: out = round(round(x * cos) + rotate_half(x) * sin).
+template <typename T>
+inline void rope_head(const T* x, T* out, const T* cos, const T* sin, const T* norm_w, int64_t d, float eps, float* tmp) {
+  if (norm_w) {
+    float ss = 0.f;
+    for (int64_t j = 0; j < d; ++j) ss += static_cast<float>(x[j]) * static_cast<float>(x[j]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t j = 0; j < d; ++j)
+      tmp[j] = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * inv)) *
+                                                 static_cast<float>(norm_w[j])));
+  } else {
+    for (int64_t j = 0; j < d; ++j) tmp[j] = static_cast<float>(x[j]);
+  }
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < d; ++j) {
+    const float rot = tmp[j < half ? j + half : j - half];
+    const float a = static_cast<float>(static_cast<T>(tmp[j] * static_cast<float>(cos[j])));
+    out[j] = static_cast<T>(a + rot * static_cast<float>(sin[j]));
+  }
+}
+
+template <typename T>
+void rope_and_write(const Tensor& qkv, Tensor& q, Tensor& cache, const Tensor& cos, const Tensor& sin,
+                    const std::optional<Tensor>& q_norm, const std::optional<Tensor>& k_norm,
+                    const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, float eps) {
+  const int64_t n = qkv.size(0), d = q.size(2);
+  const T* src = qkv.const_data_ptr<T>();
+  T* qd = q.mutable_data_ptr<T>();
+  T* cd = cache.mutable_data_ptr<T>();
+  const T* cd_cos = cos.const_data_ptr<T>();
+  const T* cd_sin = sin.const_data_ptr<T>();
+  const T* qn = q_norm ? q_norm->const_data_ptr<T>() : nullptr;
+  const T* kn = k_norm ? k_norm->const_data_ptr<T>() : nullptr;
+  const int64_t* slots = slot_of.const_data_ptr<int64_t>();
+  const int64_t* pos = write_pos.const_data_ptr<int64_t>();
+  // cache: [slots, 2KV, capacity, D], contiguous
+  const int64_t s_head = cache.stride(1), s_slot = cache.stride(0);
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = src + i * (h + 2 * kv) * d;
+      const T* c = cd_cos + i * d;
+      const T* s = cd_sin + i * d;
+      T* base = cd + slots[i] * s_slot + pos[i] * d;
+      for (int64_t j = 0; j < h; ++j) rope_head(row + j * d, qd + (i * h + j) * d, c, s, qn, d, eps, tmp.data());
+      for (int64_t j = 0; j < kv; ++j) {
+        rope_head(row + (h + j) * d, base + j * s_head, c, s, kn, d, eps, tmp.data());
+        std::copy(row + (h + kv + j) * d, row + (h + kv + j + 1) * d, base + (kv + j) * s_head);
+      }
+    }
+  });
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "rhymerl native kernels: ", name,
+              " must be a contiguous CPU tensor");
+}
+
+// (s, y): s = x + r (or x when r is None), y = rmsnorm(s) * w. x, r: [N, D].
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const std::optional<Tensor>& r, const Tensor& w, double eps) {
+  check_cpu(x, "x");
+  if (r) check_cpu(*r, "r");
+  Tensor s = r ? at::empty_like(x) : x;
+  Tensor y = at::empty_like(x);
+  const int64_t d = x.size(-1), n = x.numel() / d;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_rows<scalar_t>(x.const_data_ptr<scalar_t>(), r ? r->const_data_ptr<scalar_t>() : nullptr,
+                                s.mutable_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
+                                w.const_data_ptr<scalar_t>(), n, d, static_cast<float>(eps));
+  });
+  return {s, y};
+}
+
+// Everything of a decoder layer before attention. x: [N, hidden] residual stream, r: the previous layer's
+// MLP output (None for the first layer). Writes the new keys/values into cache [slots, 2KV, capacity, D]
+// at (slot_of[i], write_pos[i]) and returns (s = x + r, q [N, H, D]).
+std::tuple<Tensor, Tensor> pre_attn(const Tensor& x, const std::optional<Tensor>& r, const Tensor& norm_w,
+                                    const Tensor& qkv_w, const std::optional<Tensor>& qkv_b, bool packed,
+                                    const std::optional<Tensor>& q_norm, const std::optional<Tensor>& k_norm,
+                                    const Tensor& cos, const Tensor& sin, Tensor cache, const Tensor& slot_of,
+                                    const Tensor& write_pos, int64_t h, int64_t kv, double eps) {
+  check_cpu(cache, "cache");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  TORCH_CHECK(slot_of.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong,
+              "rhymerl native kernels: slot_of and write_pos must be int64");
+  auto [s, y] = add_rms_norm(x, r, norm_w, eps);
+  Tensor qkv = linear(y, qkv_w, qkv_b, packed).contiguous();
+  const int64_t d = cache.size(-1);
+  TORCH_CHECK(qkv.size(1) == (h + 2 * kv) * d, "rhymerl native kernels: qkv width ", qkv.size(1), " != (H + 2KV) * D");
+  Tensor q = at::empty({x.size(0), h, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_and_write", [&] {
+    rope_and_write<scalar_t>(qkv, q, cache, cos, sin, q_norm, k_norm, slot_of, write_pos, h, kv, static_cast<float>(eps));
+  });
+  return {s, q};
+}
+
+// Everything of a decoder layer after attention. attn: [N, H*D], s: the residual stream. Returns
+// (s + o_proj(attn), mlp output); the next layer's pre_attn (or the final norm) adds the two.
+std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const Tensor& o_w, const Tensor& norm_w,
+                                     const Tensor& gate_up_w, const Tensor& down_w, bool packed, double eps) {
+  Tensor o = linear(attn, o_w, std::nullopt, packed).contiguous();
+  auto [s2, y] = add_rms_norm(s, o, norm_w, eps);
+  Tensor gu = linear(y, gate_up_w, std::nullopt, packed).contiguous();
+  // ATen's SiLU and product, not a loop here: they are vectorised (exp included), and round as F.silu(gate) * up.
+  const int64_t inter = gu.size(1) / 2;
+  Tensor act = at::silu(gu.narrow(1, 0, inter));
+  act.mul_(gu.narrow(1, inter, inter));
+  return {s2, linear(act, down_w, std::nullopt, packed)};
+}
+
+}  // namespace
+
+// Registered for every dispatch key (a catch-all kernel): the prepacked oneDNN weights are MkldnnCPU
+// tensors, and the kernels are called under inference mode only, so no autograd formula is needed.
+TORCH_LIBRARY(rhymerl_native, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? r, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def(
+      "pre_attn(Tensor x, Tensor? r, Tensor norm_w, Tensor qkv_w, Tensor? qkv_b, bool packed, Tensor? q_norm, "
+      "Tensor? k_norm, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slot_of, Tensor write_pos, int h, int kv, "
+      "float eps) -> (Tensor, Tensor)",
+      &pre_attn);
+  m.def(
+      "post_attn(Tensor attn, Tensor s, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, bool packed, "
+      "float eps) -> (Tensor, Tensor)",
+      &post_attn);
+}
