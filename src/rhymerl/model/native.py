@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -31,8 +32,18 @@ def enabled() -> bool:
     return os.environ.get("RHYMERL_NATIVE", "1") != "0"
 
 
+def _cpu_flags() -> bytes:
+    """The CPU's instruction-set flags: the library is built for this CPU (-march=native), so a cache
+    shared with a different machine must not hand it over."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()).hexdigest()[:16]
     return CACHE_DIR / "native" / key
 
 
@@ -52,9 +63,11 @@ def _build():
         print(f"rhymerl: compiling fused CPU kernels into {out} (once, about a minute)", file=sys.stderr)
     try:
         cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
-                           extra_cflags=["-O3"], is_python_module=False, verbose=False)
+                           extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a platform the source does not build on
+        lines = str(e).strip().splitlines() or [""]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1])
         warnings.warn(f"rhymerl: fused CPU kernels unavailable, using the eager forward ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''})", stacklevel=3)
+                      f"{reason.strip()}; build directory {out})", stacklevel=3)
         return None
     return torch.ops.rhymerl_native
