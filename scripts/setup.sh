@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv, install rhymerl (editable, with dev extras) and fetch the default model.
+# Create .venv, install rhymerl (editable, with dev extras), fetch the default model, build the CPU kernels.
 # Idempotent and cached: re-running only re-installs when pyproject.toml changed.
 # May be sourced (run.sh, test.sh do); leaves the caller in the repo root.
 set -euo pipefail
@@ -26,3 +26,6 @@ else
 fi
 
 echo "[setup] model smollm2-135m: $("$VENV/bin/python" -m rhymerl.model.fetch smollm2-135m)"
+# The fused CPU kernels: built once here so that the first run does not pause for it; without a C++
+# compiler this warns and rhymerl runs the eager forward.
+echo "[setup] fused CPU kernels: $("$VENV/bin/python" -c 'from rhymerl.model import native; print("ready" if native.ops() else "unavailable, eager forward")')"

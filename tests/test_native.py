@@ -13,12 +13,13 @@ from rhymerl.model.decoder import apply_rope, rope_tables
 from tiny_models import random_prompts, tiny_decoder
 
 ops = native.ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
+needs_kernels = pytest.mark.skipif(ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
 
 # bf16 results may differ from eager by a rounding of the RMSNorm mean's summation order or of SiLU's exp.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_layer_kernels_match_the_eager_layer(arch, dtype):
@@ -72,6 +73,7 @@ def check_layer(model, packed, dtype):
     torch.testing.assert_close(y, model.norm(s2 + mlp_out), **TOL[dtype])
 
 
+@needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_forward_agrees_with_eager_in_bf16(arch):
     """A whole bf16 step (prefill, then decode rows and a draft tree): fused and eager logits agree
@@ -93,3 +95,19 @@ def test_fused_forward_agrees_with_eager_in_bf16(arch):
 def test_off_switch(monkeypatch):
     monkeypatch.setenv("RHYMERL_NATIVE", "0")
     assert native.ops() is None
+
+
+def test_a_failed_build_falls_back_with_the_compilers_error(monkeypatch, tmp_path):
+    def fail(**kwargs):
+        raise RuntimeError("Error building extension 'rhymerl_native'\n[1/2] c++ -c native_kernels.cpp\n"
+                           "native_kernels.cpp:12:1: error: 'foo' was not declared\nninja: build stopped")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(native.cpp_extension, "load", fail)
+    with pytest.warns(UserWarning, match="eager forward .*error: 'foo' was not declared"):
+        assert native.ops() is None
+    assert native.ops() is None  # tried once per process, not at every forward
+    model = tiny_decoder("llama")
+    c = model.cfg
+    cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+    assert ModelRunner(model, cache).ops is None  # the engine runs the eager forward

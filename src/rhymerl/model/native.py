@@ -4,7 +4,7 @@
 into two calls around the attention (`pre_attn`, `post_attn`). The engine uses them on a CPU when they
 build; the eager code in `decoder.py` stays the reference, the training path and the fallback.
 
-Building needs a C++ compiler and takes about a minute once; the library is cached under
+Building needs a C++ compiler and takes about 15 s, once; the library is cached under
 `$RHYMERL_CACHE/native/<hash of source and torch version>`. Where it cannot be built (no compiler, an
 unusual platform) `ops()` returns None after one warning that says why, and the engine runs the eager
 forward. `RHYMERL_NATIVE=0` turns the kernels off.
@@ -60,13 +60,13 @@ def _build():
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob("*.so")):
-        print(f"rhymerl: compiling fused CPU kernels into {out} (once, about a minute)", file=sys.stderr)
+        print(f"rhymerl: compiling fused CPU kernels into {out} (once, about 15 s)", file=sys.stderr)
     try:
         cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
                            extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a platform the source does not build on
         lines = str(e).strip().splitlines() or [""]
-        reason = next((line for line in lines if "error" in line.lower()), lines[-1])
+        reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
         warnings.warn(f"rhymerl: fused CPU kernels unavailable, using the eager forward ({type(e).__name__}: "
                       f"{reason.strip()}; build directory {out})", stacklevel=3)
         return None
