@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from rhymerl.engine.model_runner import CachedAttention, ModelRunner, SlotInput
 from rhymerl.model import native
 from rhymerl.model.decoder import apply_rope, rope_tables
 from tiny_models import random_prompts, tiny_decoder
@@ -111,3 +111,38 @@ def test_a_failed_build_falls_back_with_the_compilers_error(monkeypatch, tmp_pat
     c = model.cfg
     cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
     assert ModelRunner(model, cache).ops is None  # the engine runs the eager forward
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype):
+    """forward_layers (the whole stack in one call) against pre_attn/attend/post_attn per layer, on steps
+    of every one-group shape: decode rows over a slot range with idle rows, gathered sparse slots, a
+    draft tree beside a decode row (dense queries, folded heads), a prefix copied from another slot."""
+    model = tiny_decoder("qwen3", dtype)
+    c = model.cfg
+    a, b, p = random_prompts(3, seed=21)
+    steps = [
+        [SlotInput(0, 0, a[:-1]), SlotInput(3, 0, b[:-1]), SlotInput(5, 0, p)],
+        [SlotInput(0, len(a) - 1, a[-1:]), SlotInput(3, len(b) - 1, b[-1:])],  # a range with idle rows
+        [SlotInput(0, len(a), [4]), SlotInput(5, len(p), [6])],  # sparse: rows gathered
+        [SlotInput(0, len(a) + 1, [3, 5, 6, 7], [-1, 0, 0, 1]), SlotInput(5, len(p) + 1, [2])],  # tree + decode
+        [SlotInput(1, 4, [8, 9], prefix_from=5)],  # the first 4 positions copied from slot 5
+    ]
+    original, used = CachedAttention.one_call_args, []
+
+    def spy(self):
+        args = original(self)
+        used.append(args is not None)
+        return args
+
+    logits = {}
+    for one_call in (True, False):
+        cache = KVCache(c.num_layers, 6, 48, c.num_kv_heads, c.head_dim, dtype, "cpu", 16)
+        runner = ModelRunner(model, cache)
+        monkeypatch.setattr(CachedAttention, "one_call_args", spy if one_call else lambda self: None)
+        logits[one_call] = [runner.run(step) for step in steps]
+        monkeypatch.undo()
+    assert used == [True] * len(steps)  # every step above is one group: forward_layers ran each time
+    for got, want in zip(logits[True], logits[False]):
+        assert torch.equal(got, want)

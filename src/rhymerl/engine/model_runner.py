@@ -154,6 +154,17 @@ class CachedAttention:
     def cache_layer(self, layer: int) -> torch.Tensor:
         return self.cache.kv[layer]  # [slots, 2KV, capacity, D]
 
+    def one_call_args(self) -> tuple | None:
+        """The cache and the attention arguments of the fused `forward_layers` kernel (which mirrors
+        `_group` and `_sdpa`), when the step is one attention group in the tokens' own order."""
+        if len(self.groups) != 1 or self.groups[0].token_index is not None:
+            return None
+        g = self.groups[0]
+        rows, lo, hi = (None, g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else (g.rows, 0, 0)
+        dense_rows, dense_cols = g.dense if g.dense is not None else (None, None)
+        shares = ([d for d, _, _ in self.shares], [s for _, s, _ in self.shares], [n for _, _, n in self.shares])
+        return self.cache.kv, (rows, lo, hi, g.l, g.mask, g.fold, dense_rows, dense_cols, g.b, g.t, *shares)
+
     def attend(self, layer, q, kv):
         self.cache.kv[layer][self.slot_of, :, self.write_pos] = kv
         return self.attend_written(layer, q)

@@ -45,6 +45,11 @@ class FusedBackend(Protocol):
     def attend_written(self, layer: int, q: torch.Tensor) -> torch.Tensor:  # [N, H, D] -> [N, H, D]
         ...
 
+    def one_call_args(self) -> tuple | None:
+        """(cache [layers, slots, 2*KV, capacity, D], the attention arguments of the `forward_layers`
+        kernel) when the step's attention is a single SDPA call in every layer, else None."""
+        ...
+
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked matmul: CPU only; bf16 where the CPU has bf16 instructions, and fp32 (see
@@ -227,6 +232,18 @@ class Decoder(nn.Module):
             x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
         return self.lm_head(self.norm(x))
 
+    @staticmethod
+    def _fused_weights(layer: Block) -> tuple[list, bool]:
+        """A layer's tensors in the order of native_kernels.cpp's forward_layers (None where the architecture
+        has none), and whether its matmul weights are the prepacked copies."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, packed = attn.qkv_proj.inference_weight()
+        return [layer.input_layernorm.weight, qkv_w, attn.qkv_proj.bias,
+                attn.q_norm.weight if attn.q_norm is not None else None,
+                attn.k_norm.weight if attn.k_norm is not None else None,
+                attn.o_proj.inference_weight()[0], layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.inference_weight()[0], mlp.down_proj.inference_weight()[0]], packed
+
     @torch.inference_mode()
     def forward_fused(
         self,
@@ -236,24 +253,28 @@ class Decoder(nn.Module):
         ops,  # rhymerl.model.native.ops(): the fused CPU kernels
         logit_rows: torch.Tensor | None = None,  # [R] rows that need logits (None: all)
     ) -> torch.Tensor:  # [R, vocab]
-        """`forward_packed` for rollout on a CPU, through the fused kernels of `rhymerl.model.native`: two
-        calls per layer around the attention instead of ~30 kernels. Same arithmetic up to the summation
-        order of RMSNorm and the exp of SiLU. The residual stream is carried as (x, r) with the previous
-        layer's MLP output r not yet added: each pre_attn (and the final norm) adds it while normalising."""
+        """`forward_packed` for rollout on a CPU, through the fused kernels of `rhymerl.model.native`: one
+        call for the whole layer stack when the step's attention is one SDPA call per layer (the usual
+        step), else two calls per layer around the backend's attention; ~30 eager kernels per layer either
+        way. Same arithmetic up to the summation order of RMSNorm and the exp of SiLU. The residual stream
+        is carried as (x, r) with the previous layer's MLP output r not yet added: each pre_attn (and the
+        final norm) adds it while normalising."""
         x, r, eps = self.embed_tokens(tokens), None, self.cfg.rms_norm_eps
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, packed = attn.qkv_proj.inference_weight()
-            x, q = ops.pre_attn(x, r, layer.input_layernorm.weight, qkv_w, attn.qkv_proj.bias, packed,
-                                attn.q_norm.weight if attn.q_norm is not None else None,
-                                attn.k_norm.weight if attn.k_norm is not None else None,
-                                cos, sin, backend.cache_layer(attn.layer), backend.slot_of, backend.write_pos,
-                                attn.h, attn.kv, eps)
-            out = backend.attend_written(attn.layer, q)  # [N, H, D]
-            x, r = ops.post_attn(out.reshape(out.shape[0], -1), x, attn.o_proj.inference_weight()[0],
-                                 layer.post_attention_layernorm.weight, mlp.gate_up_proj.inference_weight()[0],
-                                 mlp.down_proj.inference_weight()[0], packed, eps)
+        h, kv = self.cfg.num_heads, self.cfg.num_kv_heads
+        one_call = backend.one_call_args()
+        if one_call is not None:  # the usual step: the whole layer stack in one call, no Python between layers
+            cache, attention = one_call
+            weights = [self._fused_weights(layer) for layer in self.layers]
+            x, r = ops.forward_layers(x, [t for w, _ in weights for t in w], weights[0][1], cos, sin, cache,
+                                      backend.slot_of, backend.write_pos, h, kv, eps, *attention)
+        else:
+            for i, layer in enumerate(self.layers):
+                w, packed = self._fused_weights(layer)
+                x, q = ops.pre_attn(x, r, w[0], w[1], w[2], packed, w[3], w[4], cos, sin, backend.cache_layer(i),
+                                    backend.slot_of, backend.write_pos, h, kv, eps)
+                out = backend.attend_written(i, q)  # [N, H, D]
+                x, r = ops.post_attn(out.reshape(out.shape[0], -1), x, w[5], w[6], w[7], w[8], packed, eps)
         if logit_rows is not None:
             x, r = x[logit_rows], r[logit_rows]
         return self.lm_head(ops.add_rms_norm(x, r, self.norm.weight, eps)[1])

@@ -168,6 +168,66 @@ std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const 
   return {s2, linear(act, down_w, std::nullopt, packed)};
 }
 
+// Attention of a step whose tokens form one slot group (engine/model_runner.py: _Group and
+// CachedAttention._group/_sdpa, which this mirrors op for op): SDPA over the cache rows of the group's slots
+// (a slice [lo, hi) when `rows` is None, else a gather), keys [0, l), an additive mask. Queries are a view
+// when every row has one token (`dense_rows` None), else scattered into a dense [b, H, t, D] layout.
+// fold > 1: the G query heads of a KV head are folded into the query axis.
+Tensor group_attention(const Tensor& q, const Tensor& cache, const std::optional<Tensor>& rows, int64_t lo,
+                       int64_t hi, int64_t l, const Tensor& mask, int64_t fold,
+                       const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b,
+                       int64_t t) {
+  using at::indexing::Slice;
+  const int64_t h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
+  Tensor keys = cache.narrow(2, 0, l);
+  keys = rows ? keys.index_select(0, *rows) : keys.slice(0, lo, hi);  // [b, 2KV, L, D]
+  Tensor k = keys.narrow(1, 0, kv), v = keys.narrow(1, kv, kv);
+  Tensor qd;
+  if (dense_rows) {
+    qd = at::zeros({b, h, t, d}, q.options());
+    qd.index_put_({*dense_rows, Slice(), *dense_cols}, q);
+  } else {
+    qd = q.view({b, 1, h, d}).transpose(1, 2);
+  }
+  Tensor out = fold > 1
+      ? at::scaled_dot_product_attention(qd.reshape({b, kv, fold * t, d}), k, v, mask).view({b, h, t, d})
+      : at::scaled_dot_product_attention(qd, k, v, mask, 0.0, false, std::nullopt, h != kv);
+  if (dense_rows) return out.index({*dense_rows, Slice(), *dense_cols});  // [N, H, D]
+  return out.transpose(1, 2).reshape({b, h, d});
+}
+
+// The whole layer stack for a step whose attention is one group (every decode row and draft tree of the
+// step, the usual case), so that no Python runs between layers. weights: per layer, in this order,
+// input norm, qkv, qkv bias, q norm, k norm, o_proj, post-attention norm, gate/up, down (None where the
+// architecture has none). cache: [layers, slots, 2KV, capacity, D]. shares: prefix copies (destination
+// slots, source slots, length), done in each layer after its keys/values are written. Returns (x, r) as
+// pre_attn/post_attn do: the residual stream and the last MLP output, not yet added.
+std::tuple<Tensor, Tensor> forward_layers(
+    Tensor x, const c10::List<std::optional<Tensor>>& weights, bool packed, const Tensor& cos, const Tensor& sin,
+    const Tensor& cache, const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, double eps,
+    const std::optional<Tensor>& rows, int64_t lo, int64_t hi, int64_t l, const Tensor& mask, int64_t fold,
+    const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b, int64_t t,
+    at::TensorList share_dst, at::TensorList share_src, at::IntArrayRef share_len) {
+  constexpr int64_t kPerLayer = 9;
+  const int64_t layers = cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
+              "rhymerl native kernels: forward_layers needs ", kPerLayer, " weights per layer");
+  std::optional<Tensor> r;
+  for (int64_t i = 0; i < layers; ++i) {
+    auto w = [&](int64_t j) -> std::optional<Tensor> { return weights.get(i * kPerLayer + j); };
+    Tensor layer_cache = cache.select(0, i);
+    auto [s, q] = pre_attn(x, r, *w(0), *w(1), w(2), packed, w(3), w(4), cos, sin, layer_cache, slot_of, write_pos,
+                           h, kv, eps);
+    for (size_t j = 0; j < share_dst.size(); ++j) {
+      Tensor prefix = layer_cache.narrow(2, 0, share_len[j]);
+      prefix.index_copy_(0, share_dst[j], prefix.index_select(0, share_src[j]));
+    }
+    Tensor out = group_attention(q, layer_cache, rows, lo, hi, l, mask, fold, dense_rows, dense_cols, b, t);
+    std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), packed, eps);
+  }
+  return {x, *r};
+}
+
 }  // namespace
 
 // Registered for every dispatch key (a catch-all kernel): the prepacked oneDNN weights are MkldnnCPU
@@ -183,4 +243,10 @@ TORCH_LIBRARY(rhymerl_native, m) {
       "post_attn(Tensor attn, Tensor s, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, bool packed, "
       "float eps) -> (Tensor, Tensor)",
       &post_attn);
+  m.def(
+      "forward_layers(Tensor x, Tensor?[] weights, bool packed, Tensor cos, Tensor sin, Tensor(a!) cache, "
+      "Tensor slot_of, Tensor write_pos, int h, int kv, float eps, Tensor? rows, int lo, int hi, int l, Tensor mask, "
+      "int fold, Tensor? dense_rows, Tensor? dense_cols, int b, int t, Tensor[] share_dst, Tensor[] share_src, "
+      "int[] share_len) -> (Tensor, Tensor)",
+      &forward_layers);
 }
