@@ -206,6 +206,7 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._fused_modules: list[tuple] | None = None  # per layer, the modules forward_fused reads
 
     def tie_weights(self) -> None:
         """With tied embeddings the lm_head shares the embedding's Parameter (call again after the
@@ -232,17 +233,23 @@ class Decoder(nn.Module):
             x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
         return self.lm_head(self.norm(x))
 
-    @staticmethod
-    def _fused_weights(layer: Block) -> tuple[list, bool]:
-        """A layer's tensors in the order of native_kernels.cpp's forward_layers (None where the architecture
-        has none), and whether its matmul weights are the prepacked copies."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_w, packed = attn.qkv_proj.inference_weight()
-        return [layer.input_layernorm.weight, qkv_w, attn.qkv_proj.bias,
-                attn.q_norm.weight if attn.q_norm is not None else None,
-                attn.k_norm.weight if attn.k_norm is not None else None,
-                attn.o_proj.inference_weight()[0], layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.inference_weight()[0], mlp.down_proj.inference_weight()[0]], packed
+    def _fused_weights(self) -> tuple[list, bool]:
+        """Every layer's tensors, flat, in the order of native_kernels.cpp's forward_layers (per layer: input
+        norm, qkv, qkv bias, q norm, k norm, o_proj, post-attention norm, gate/up, down; None where the
+        architecture has none), and whether the matmul weights are the prepacked copies. Read afresh at
+        every forward, so a weight sync or an optimizer step is always seen (stale packed copies are remade
+        by `Linear.inference_weight`); only the modules are looked up once."""
+        if self._fused_modules is None:
+            self._fused_modules = [(b.input_layernorm, b.self_attn.qkv_proj, b.self_attn.q_norm, b.self_attn.k_norm,
+                                    b.self_attn.o_proj, b.post_attention_layernorm, b.mlp.gate_up_proj,
+                                    b.mlp.down_proj) for b in self.layers]
+        out, packed = [], False
+        for norm1, qkv, q_norm, k_norm, o, norm2, gate_up, down in self._fused_modules:
+            qkv_w, packed = qkv.inference_weight()
+            out += [norm1.weight, qkv_w, qkv.bias, q_norm.weight if q_norm is not None else None,
+                    k_norm.weight if k_norm is not None else None, o.inference_weight()[0], norm2.weight,
+                    gate_up.inference_weight()[0], down.inference_weight()[0]]
+        return out, packed
 
     @torch.inference_mode()
     def forward_fused(
@@ -262,15 +269,15 @@ class Decoder(nn.Module):
         x, r, eps = self.embed_tokens(tokens), None, self.cfg.rms_norm_eps
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         h, kv = self.cfg.num_heads, self.cfg.num_kv_heads
+        weights, packed = self._fused_weights()
         one_call = backend.one_call_args()
         if one_call is not None:  # the usual step: the whole layer stack in one call, no Python between layers
             cache, attention = one_call
-            weights = [self._fused_weights(layer) for layer in self.layers]
-            x, r = ops.forward_layers(x, [t for w, _ in weights for t in w], weights[0][1], cos, sin, cache,
-                                      backend.slot_of, backend.write_pos, h, kv, eps, *attention)
+            x, r = ops.forward_layers(x, weights, packed, cos, sin, cache, backend.slot_of, backend.write_pos, h, kv,
+                                      eps, *attention)
         else:
-            for i, layer in enumerate(self.layers):
-                w, packed = self._fused_weights(layer)
+            for i in range(len(self.layers)):
+                w = weights[9 * i : 9 * i + 9]
                 x, q = ops.pre_attn(x, r, w[0], w[1], w[2], packed, w[3], w[4], cos, sin, backend.cache_layer(i),
                                     backend.slot_of, backend.write_pos, h, kv, eps)
                 out = backend.attend_written(i, q)  # [N, H, D]

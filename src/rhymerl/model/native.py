@@ -1,8 +1,10 @@
 """Fused CPU kernels for the rollout forward, compiled on first use and cached.
 
 `native_kernels.cpp` (next to this file) turns a decoder layer's ~30 small eager kernels and Python calls
-into two calls around the attention (`pre_attn`, `post_attn`). The engine uses them on a CPU when they
-build; the eager code in `decoder.py` stays the reference, the training path and the fallback.
+into two calls around the attention (`pre_attn`, `post_attn`), and the whole layer stack into one call
+(`forward_layers`) when a step's attention is one SDPA call per layer. The engine uses them on a CPU when
+they build (`Decoder.forward_fused`); the eager code in `decoder.py` stays the reference, the training path
+and the fallback.
 
 Building needs a C++ compiler and takes about 15 s, once; the library is cached under
 `$RHYMERL_CACHE/native/<hash of source and torch version>`. Where it cannot be built (no compiler, an

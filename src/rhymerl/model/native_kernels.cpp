@@ -3,7 +3,10 @@
 // Why: decoding a small model on a CPU is bound by per-op overhead as much as by arithmetic. A decoder
 // layer in eager PyTorch is ~30 small kernels and as many Python calls; here it is two calls around the
 // attention: `pre_attn` (residual add, RMSNorm, qkv matmul, q/k norm, rope, K/V cache write) and
-// `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul).
+// `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul). When a step's
+// attention is one SDPA call per layer (every decode row and draft tree of the step in one group, the
+// usual step), `forward_layers` runs the whole stack, attention included, without returning to Python.
+// The matmuls stay oneDNN's (prepacked weights) and the attention SDPA's CPU flash kernel.
 //
 // Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
 // produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
