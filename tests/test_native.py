@@ -101,6 +101,7 @@ def test_a_failed_build_falls_back_with_the_compilers_error(monkeypatch, tmp_pat
     def fail(**kwargs):
         raise RuntimeError("Error building extension 'rhymerl_native'\n[1/2] c++ -c native_kernels.cpp\n"
                            "native_kernels.cpp:12:1: error: 'foo' was not declared\nninja: build stopped")
+    monkeypatch.delenv("RHYMERL_NATIVE", raising=False)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(native.cpp_extension, "load", fail)

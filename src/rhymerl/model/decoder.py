@@ -1,13 +1,17 @@
 """A PyTorch decoder for Llama-family checkpoints (Llama/SmolLM2, Qwen2, Qwen3).
 
-One module serves both rollout and training, so rollout log-probs and training log-probs come from the
-same arithmetic. The layers work on *packed* tokens (`[N, hidden]`, no batch dimension): where a token's
-keys and values come from is decided by an attention backend passed to `forward`:
+One module serves both rollout and training, with the same weights and the same formulas; the kernels
+differ (below), so rollout and training log-probs agree to rounding, not bit for bit (the trainer logs the
+gap as `actor/logprob_diff_max`). The layers work on *packed* tokens (`[N, hidden]`, no batch dimension):
+where a token's keys and values come from is decided by an attention backend passed to `forward`:
 
 - `CausalAttention` (this file): plain causal self-attention over a `[B, S]` batch, no cache, autograd
   friendly; used for training and as the reference in tests.
 - the engine's cached backend (`rhymerl.engine.model_runner`): writes new keys/values into a slot's
   preallocated cache and attends to the slot's committed prefix plus the token's own ancestors.
+
+On a CPU the engine runs `forward_fused` instead of `forward_packed`: the same layers through the fused
+C++ kernels of `rhymerl.model.native` (eager `forward_packed` is their reference and fallback).
 
 Arithmetic follows transformers' Llama/Qwen2/Qwen3 modules (RMSNorm in fp32, rotate-half rope), so that
 logits match on the same weights. q/k/v and gate/up projections are fused into one matmul each: on a CPU,
@@ -30,6 +34,9 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D] and kv: [N, 2*KV, D] (keys then values) for the N packed tokens -> [N, H, D]."""
         ...
+
+
+FUSED_PER_LAYER = 9  # tensors per layer in Decoder._fused_weights (native_kernels.cpp: kPerLayer)
 
 
 class FusedBackend(Protocol):
@@ -256,7 +263,7 @@ class Decoder(nn.Module):
         self,
         tokens: torch.Tensor,  # [N] token ids, packed
         positions: torch.Tensor,  # [N] rope positions
-        backend: "FusedBackend",
+        backend: FusedBackend,
         ops,  # rhymerl.model.native.ops(): the fused CPU kernels
         logit_rows: torch.Tensor | None = None,  # [R] rows that need logits (None: all)
     ) -> torch.Tensor:  # [R, vocab]
@@ -277,7 +284,7 @@ class Decoder(nn.Module):
                                       eps, *attention)
         else:
             for i in range(len(self.layers)):
-                w = weights[9 * i : 9 * i + 9]
+                w = weights[FUSED_PER_LAYER * i : FUSED_PER_LAYER * (i + 1)]
                 x, q = ops.pre_attn(x, r, w[0], w[1], w[2], packed, w[3], w[4], cos, sin, backend.cache_layer(i),
                                     backend.slot_of, backend.write_pos, h, kv, eps)
                 out = backend.attend_written(i, q)  # [N, H, D]

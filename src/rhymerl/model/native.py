@@ -7,7 +7,7 @@ they build (`Decoder.forward_fused`); the eager code in `decoder.py` stays the r
 and the fallback.
 
 Building needs a C++ compiler and takes about 15 s, once; the library is cached under
-`$RHYMERL_CACHE/native/<hash of source and torch version>`. Where it cannot be built (no compiler, an
+`$RHYMERL_CACHE/native/<hash of source, torch version and CPU flags>`. Where it cannot be built (no compiler, an
 unusual platform) `ops()` returns None after one warning that says why, and the engine runs the eager
 forward. `RHYMERL_NATIVE=0` turns the kernels off.
 """
@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
+import ninja
 import torch
 from torch.utils import cpp_extension
 
@@ -61,6 +63,8 @@ def ops():
 def _build():
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    if shutil.which("ninja") is None:  # torch calls `ninja` from PATH; the pip package's may not be on it
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     if not any(out.glob("*.so")):
         print(f"rhymerl: compiling fused CPU kernels into {out} (once, about 15 s)", file=sys.stderr)
     try:
@@ -69,7 +73,7 @@ def _build():
     except Exception as e:  # no compiler, no ninja, a platform the source does not build on
         lines = str(e).strip().splitlines() or [""]
         reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
-        warnings.warn(f"rhymerl: fused CPU kernels unavailable, using the eager forward ({type(e).__name__}: "
-                      f"{reason.strip()}; build directory {out})", stacklevel=3)
+        warnings.warn(f"rhymerl: fused CPU kernels unavailable (they need a C++ compiler), using the eager "
+                      f"forward ({type(e).__name__}: {reason.strip()}; build directory {out})", stacklevel=3)
         return None
     return torch.ops.rhymerl_native
