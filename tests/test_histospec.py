@@ -70,7 +70,7 @@ def history_of(model, prompts, params, n_gen=3):
     return store
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-d64"])  # d64: decode rows in the fused decode attention
 @pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])
 def test_speculative_rollout_is_token_identical_to_plain(arch, temperature):
     model = peaky(tiny_decoder(arch))

@@ -34,7 +34,7 @@ def dense_logits(model, ids):
         return model(torch.tensor([ids]))[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-d64"])
 def test_mixed_prefill_and_decode_in_one_forward(make_runner, arch):
     model, runner = make_runner(arch)
     a, b, c = random_prompts(3, seed=5)
@@ -102,11 +102,12 @@ def test_logits_from_and_bad_tree(make_runner):
         runner.run([SlotInput(2, 70, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])])
 
 
-def test_stale_cache_contents_never_leak(make_runner):
+@pytest.mark.parametrize("arch", ["llama", "llama-d64"])  # heads of 64: the fused decode attention
+def test_stale_cache_contents_never_leak(make_runner, arch):
     """Whatever earlier sequences left in the cache (here: large garbage) is invisible: only the slot's
     committed prefix and the step's own tokens are attended to, idle slots inside the attended range
     included (they are padding rows)."""
-    model, runner = make_runner(slots=6)
+    model, runner = make_runner(arch, slots=6)
     runner.cache.kv.normal_(0, 1e3)
     a, b, c = random_prompts(3, seed=11)
     runner.run([SlotInput(0, 0, a[:-1]), SlotInput(3, 0, b[:-1]), SlotInput(5, 0, c[:-1])])
@@ -121,11 +122,12 @@ def test_stale_cache_contents_never_leak(make_runner):
     torch.testing.assert_close(logits[1], dense_logits(model, c + [9])[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_every_kind_of_step_in_one_forward(make_runner):
+@pytest.mark.parametrize("arch", ["llama", "llama-d64"])
+def test_every_kind_of_step_in_one_forward(make_runner, arch):
     """A decode row and a draft tree (one attention group, padded to the tree's size, their slots sparse
     in the range so their rows are gathered) beside a prefill longer than SMALL_STEP (a group of its
     own), each against dense recomputation."""
-    model, runner = make_runner(slots=8)
+    model, runner = make_runner(arch, slots=8)
     a, b = random_prompts(2, seed=12)
     long_prompt = random_prompts(1, lo=SMALL_STEP + 5, hi=SMALL_STEP + 5, seed=13)[0]
     runner.run([SlotInput(0, 0, a[:-1]), SlotInput(7, 0, b[:-1])])
@@ -139,3 +141,19 @@ def test_every_kind_of_step_in_one_forward(make_runner):
     for path in PATHS:
         ref = dense_logits(model, b[:-1] + [tree[i] for i in path])[len(b) - 1 :]
         torch.testing.assert_close(tree_logits[path], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-d64"])
+def test_decode_rows_beside_a_long_prefill(make_runner, arch):
+    """Decode rows whose attention group is not the whole step (a prefill longer than SMALL_STEP is its
+    own group), so their queries are picked out of the step's tokens: the fused decode attention's
+    Python-side call at heads of 64."""
+    model, runner = make_runner(arch, slots=8)
+    a, b = random_prompts(2, seed=14)
+    long_prompt = random_prompts(1, lo=SMALL_STEP + 3, hi=SMALL_STEP + 3, seed=15)[0]
+    runner.run([SlotInput(1, 0, a[:-1]), SlotInput(6, 0, b[:-1])])
+    logits = runner.run([SlotInput(1, len(a) - 1, a[-1:]), SlotInput(4, 0, long_prompt),
+                         SlotInput(6, len(b) - 1, b[-1:])])
+    torch.testing.assert_close(logits[0], dense_logits(model, a)[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1:-1], dense_logits(model, long_prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[-1], dense_logits(model, b)[-1], atol=1e-5, rtol=1e-5)

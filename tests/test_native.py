@@ -74,7 +74,7 @@ def check_layer(model, packed, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-d64"])
 def test_fused_forward_agrees_with_eager_in_bf16(arch):
     """A whole bf16 step (prefill, then decode rows and a draft tree): fused and eager logits agree
     to bf16 rounding and pick the same tokens."""
@@ -116,11 +116,12 @@ def test_a_failed_build_falls_back_with_the_compilers_error(monkeypatch, tmp_pat
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype):
+@pytest.mark.parametrize("arch", ["qwen3", "llama-d64"])  # decode rows through SDPA, and the decode kernel
+def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype, arch):
     """forward_layers (the whole stack in one call) against pre_attn/attend/post_attn per layer, on steps
     of every one-group shape: decode rows over a slot range with idle rows, gathered sparse slots, a
     draft tree beside a decode row (dense queries, folded heads), a prefix copied from another slot."""
-    model = tiny_decoder("qwen3", dtype)
+    model = tiny_decoder(arch, dtype)
     c = model.cfg
     a, b, p = random_prompts(3, seed=21)
     steps = [
@@ -147,3 +148,44 @@ def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype):
     assert used == [True] * len(steps)  # every step above is one group: forward_layers ran each time
     for got, want in zip(logits[True], logits[False]):
         assert torch.equal(got, want)
+
+
+def decode_reference(q, cache, slot_of, write_pos):
+    """fp64 attention of each decode token over its slot's keys [0, write_pos]: [N, H, D]."""
+    kv = cache.shape[1] // 2
+    out = []
+    for i in range(q.shape[0]):
+        keys = cache[slot_of[i], :, : write_pos[i] + 1].double()
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[i].double()[:, None], keys[:kv], keys[kv:], enable_gqa=True)[:, 0])
+    return torch.stack(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 1, 128)])
+def test_decode_attention_against_a_float64_reference(dtype, heads, kv_heads, head_dim):
+    """The decode kernel (SmolLM2's and Qwen's head shapes) at lengths around its 16-key blocks, reading
+    each slot only up to its own length: the cache beyond it holds NaN, which must not reach the output."""
+    if ops.decode_attention(torch.zeros(1, heads, head_dim, dtype=dtype), torch.zeros(1, 2 * kv_heads, 4, head_dim,
+                            dtype=dtype), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is None:
+        pytest.skip("decode attention not built for this CPU (it needs AVX-512): SDPA serves decode rows")
+    g = torch.Generator().manual_seed(0)
+    write_pos = torch.tensor([0, 14, 15, 16, 37, 250])
+    slot_of = torch.tensor([4, 0, 2, 6, 5, 1])
+    cache = torch.full((7, 2 * kv_heads, 300, head_dim), float("nan"), dtype=dtype)
+    for s, p in zip(slot_of, write_pos):
+        cache[s, :, : p + 1] = torch.randn(2 * kv_heads, int(p) + 1, head_dim, generator=g).to(dtype)
+    q = torch.randn(6, heads, head_dim, generator=g).to(dtype)
+    out = ops.decode_attention(q, cache, slot_of, write_pos)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: its rounding
+    torch.testing.assert_close(out.double(), decode_reference(q, cache, slot_of, write_pos), **tol)
+
+
+@needs_kernels
+def test_decode_attention_declines_what_it_does_not_take():
+    """Heads of 24 (Qwen3's tiny test size) or fp16: None, and the caller uses SDPA."""
+    pos = torch.zeros(1, dtype=torch.long)
+    assert ops.decode_attention(torch.zeros(1, 4, 24), torch.zeros(1, 4, 8, 24), pos, pos) is None
+    half = torch.zeros(1, 4, 64, dtype=torch.float16)
+    assert ops.decode_attention(half, torch.zeros(1, 4, 8, 64, dtype=torch.float16), pos, pos) is None

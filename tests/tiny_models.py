@@ -15,6 +15,8 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24, "tie_word_embeddings": False}),
+    # heads of 64 (SmolLM2's size), which the fused decode attention takes (it leaves 16 and 24 to SDPA)
+    "llama-d64": (LlamaConfig, LlamaForCausalLM, {"head_dim": 64, "tie_word_embeddings": True}),
 }
 VOCAB = 96
 

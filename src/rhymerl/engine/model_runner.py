@@ -119,10 +119,16 @@ class _Group:
 
 
 class CachedAttention:
-    """The attention backend for the engine: write new keys/values, attend over the slot caches."""
+    """The attention backend for the engine: write new keys/values, attend over the slot caches.
 
-    def __init__(self, cache: KVCache, inputs: list[SlotInput], trees: list, device, num_heads: int):
+    `decode_attention`: the fused kernels' decode attention (`rhymerl.model.native`), which a group of
+    decode rows (one token per slot) goes through instead of SDPA where it supports the shape (it returns
+    None where not); None: SDPA for every group."""
+
+    def __init__(self, cache: KVCache, inputs: list[SlotInput], trees: list, device, num_heads: int,
+                 decode_attention=None):
         dtype = cache.kv.dtype
+        self.decode_attention = decode_attention
         group_size = num_heads // cache.num_kv_heads
         self.cache = cache
         slot_of, write_pos = [], []
@@ -184,6 +190,12 @@ class CachedAttention:
     def _group(self, q, cache, g: _Group):
         """q: [n, H, D] the group's tokens in packed order -> [n, H, D]."""
         h, d = q.shape[1], q.shape[2]
+        if g.dense is None and self.decode_attention is not None:  # decode rows: each reads its own length
+            index = g.token_index
+            out = self.decode_attention(q, cache, self.slot_of if index is None else self.slot_of[index],
+                                        self.write_pos if index is None else self.write_pos[index])
+            if out is not None:
+                return out
         if g.dense is None:  # one token per row, every row: [n, H, D] is already [b, t=1, H, D]
             return self._sdpa(q.view(g.b, 1, h, d).transpose(1, 2), cache, g).transpose(1, 2).reshape(g.b, h, d)
         rows, cols = g.dense
@@ -232,7 +244,8 @@ class ModelRunner:
         tokens_t = torch.tensor(tokens, device=dev)
         positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
-        backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads)
+        backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads,
+                                  self.ops.decode_attention if self.ops is not None else None)
         if self.ops is not None:
             return self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows).float()
         return self.model.forward_packed(tokens_t, positions_t, backend, logit_rows).float()

@@ -29,6 +29,10 @@ from torch.utils import cpp_extension
 from rhymerl.model.fetch import CACHE_DIR
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
+# at::parallel_for is a header template that only spreads work over threads when the including file is
+# compiled with OpenMP. On Linux the library then resolves libgomp.so.1 to the copy torch has already loaded,
+# so there is one thread pool; elsewhere (Apple's clang has no -fopenmp) the kernels run on one thread.
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 _loaded: dict[str, object] = {}
 
 
@@ -67,13 +71,16 @@ def _build():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     if not any(out.glob("*.so")):
         print(f"rhymerl: compiling fused CPU kernels into {out} (once, about 15 s)", file=sys.stderr)
-    try:
-        cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
-                           extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja, a platform the source does not build on
-        lines = str(e).strip().splitlines() or [""]
-        reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
-        warnings.warn(f"rhymerl: fused CPU kernels unavailable (they need a C++ compiler), using the eager "
-                      f"forward ({type(e).__name__}: {reason.strip()}; build directory {out})", stacklevel=3)
-        return None
-    return torch.ops.rhymerl_native
+    for openmp in ([OPENMP, []] if OPENMP else [[]]):  # without OpenMP (a compiler lacking it): one thread
+        try:
+            cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
+                               extra_cflags=["-O3", "-march=native", *openmp], extra_ldflags=openmp,
+                               is_python_module=False, verbose=False)
+            return torch.ops.rhymerl_native
+        except Exception as e:  # no compiler, no ninja, a platform the source does not build on
+            error = e
+    lines = str(error).strip().splitlines() or [""]
+    reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
+    warnings.warn(f"rhymerl: fused CPU kernels unavailable (they need a C++ compiler), using the eager "
+                  f"forward ({type(error).__name__}: {reason.strip()}; build directory {out})", stacklevel=3)
+    return None

@@ -6,7 +6,9 @@
 // `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul). When a step's
 // attention is one SDPA call per layer (every decode row and draft tree of the step in one group, the
 // usual step), `forward_layers` runs the whole stack, attention included, without returning to Python.
-// The matmuls stay oneDNN's (prepacked weights) and the attention SDPA's CPU flash kernel.
+// The matmuls stay oneDNN's (prepacked weights). Attention is SDPA's CPU flash kernel, except for decode
+// rows (one token per slot), which `decode_attention` serves on AVX-512 CPUs: SDPA pads every slot to the
+// step's longest and, for a single query, costs more in set-up than in arithmetic.
 //
 // Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
 // produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
@@ -16,7 +18,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -147,9 +152,172 @@ void silu_mul_rows(const T* gu, T* act, int64_t n, int64_t inter) {
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RHYMERL_DECODE_ATTENTION 1
+#include <immintrin.h>
+// Decode attention (below) is written for AVX-512; elsewhere decode rows go through SDPA like the rest.
+
+// 32 elements of a row -> two fp32 vectors. bf16 is the top half of an fp32, so interleaving each value
+// under 16 zero bits widens it; the interleave works per 128-bit lane, which permutes the order (`lo`
+// holds elements 8L..8L+3 of lane L, `hi` 8L+4..8L+7). Dot products and weighted sums do not care, as
+// long as every operand is permuted alike; `widened_index` undoes it for the output. fp32: plain loads.
+inline void widen32(const float* p, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + 16);
+}
+inline void widen32(const c10::BFloat16* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+}
+// Element of the row that lane m of vector v (0 = lo, 1 = hi) of widen32 holds.
+template <typename T>
+constexpr int widened_index(int v, int m) {
+  return std::is_same_v<T, float> ? 16 * v + m : 8 * (m / 4) + 4 * v + m % 4;
+}
+
+// a[0..15] -> one vector whose lane i is the sum of a[i]'s 16 lanes: a transpose-and-add tree (45
+// instructions for 16 dot products, against ~8 each for a horizontal sum apiece).
+inline __m512 sum16x16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i: 0+2, a2i+1: 0+2, a2i: 1+3, a2i+1: 1+3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of a4i .. a4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  auto fold = [](__m512 x, __m512 y) {  // lanes [x0+x1, x2+x3, y0+y1, y2+y3] (128-bit lanes)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(c[0], c[1]), fold(c[2], c[3]));
+}
+
+// Attention of decode rows, one query token per slot: token i attends to keys [0, pos[i]] of slot slots[i]
+// (no mask: each slot is read up to its own length, not padded to the step's longest). A work item is a
+// (token, KV head) pair, whose G = H / KV query heads share its keys and values. fp32 throughout:
+//  1. scores, 16 keys at a time: the block of keys is widened once into `block`, then each head's 16 dot
+//     products are summed by one transpose-and-add tree;
+//  2. softmax of each head's scores;
+//  3. the softmax-weighted sum of the values, up to 16 / (D / 16) heads per pass so that their
+//     accumulators stay in registers; rounded to T at the end.
+template <typename T, int NW>  // NW: 32-element units per head (D = 32 * NW)
+void decode_attention_rows(const T* q, const T* cache, T* out, const int64_t* slots, const int64_t* pos, int64_t n,
+                           int64_t h, int64_t kv, int64_t s_slot, int64_t s_head, float scale) {
+  constexpr int D = 32 * NW, NV = 2 * NW, GC = 16 / NV;  // head size, vectors per head, heads per value pass
+  const int64_t g = h / kv;
+  at::parallel_for(0, n * kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(g * NV);
+    std::vector<float> scores;
+    alignas(64) __m512 block[16][NV];
+    for (int64_t item = begin; item < end; ++item) {
+      // KV head outer: a thread's contiguous share of the items mixes long and short slots
+      const int64_t j = item / n, i = item % n, len = pos[i] + 1, padded = (len + 15) / 16 * 16;
+      const T* keys = cache + slots[i] * s_slot + j * s_head;
+      const T* values = cache + slots[i] * s_slot + (kv + j) * s_head;
+      const T* q_item = q + (i * h + j * g) * D;
+      for (int64_t e = 0; e < g * NW; ++e) widen32(q_item + 32 * e, qv[2 * e], qv[2 * e + 1]);
+      scores.resize(g * padded);
+      for (int64_t t0 = 0; t0 < len; t0 += 16) {  // 1. scores
+        const int64_t nt = std::min<int64_t>(16, len - t0);
+        for (int64_t t = 0; t < 16; ++t)
+          for (int w = 0; w < NW; ++w) {
+            if (t < nt) widen32(keys + (t0 + t) * D + 32 * w, block[t][2 * w], block[t][2 * w + 1]);
+            else block[t][2 * w] = block[t][2 * w + 1] = _mm512_setzero_ps();
+          }
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const __m512* qg = qv.data() + gi * NV;
+          __m512 dots[16];
+          for (int t = 0; t < 16; ++t) {
+            dots[t] = _mm512_mul_ps(qg[0], block[t][0]);
+            for (int c = 1; c < NV; ++c) dots[t] = _mm512_fmadd_ps(qg[c], block[t][c], dots[t]);
+          }
+          _mm512_storeu_ps(scores.data() + gi * padded + t0, _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale)));
+        }
+      }
+      float inv_sum[64];
+      for (int64_t gi = 0; gi < g; ++gi) {  // 2. softmax
+        float* sg = scores.data() + gi * padded;
+        float m = sg[0];
+        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = exp_approx(sg[t] - m);
+          sum += sg[t];
+        }
+        inv_sum[gi] = 1.f / sum;
+      }
+      for (int64_t g0 = 0; g0 < g; g0 += GC) {  // 3. values
+        const int64_t gc = std::min<int64_t>(GC, g - g0);
+        __m512 acc[GC][NV];
+        for (int gi = 0; gi < GC; ++gi)
+          for (int c = 0; c < NV; ++c) acc[gi][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+          __m512 v[NV];
+          for (int w = 0; w < NW; ++w) widen32(values + t * D + 32 * w, v[2 * w], v[2 * w + 1]);
+          for (int gi = 0; gi < GC; ++gi) {
+            if (gi >= gc) break;
+            const __m512 p = _mm512_set1_ps(scores[(g0 + gi) * padded + t]);
+            for (int c = 0; c < NV; ++c) acc[gi][c] = _mm512_fmadd_ps(p, v[c], acc[gi][c]);
+          }
+        }
+        for (int64_t gi = 0; gi < gc; ++gi) {
+          alignas(64) float lanes[D];
+          for (int c = 0; c < NV; ++c) _mm512_store_ps(lanes + 16 * c, _mm512_mul_ps(acc[gi][c], _mm512_set1_ps(inv_sum[g0 + gi])));
+          T* o = out + (i * h + j * g + g0 + gi) * D;
+          for (int c = 0; c < NV; ++c)
+            for (int m = 0; m < 16; ++m) o[32 * (c / 2) + widened_index<T>(c % 2, m)] = static_cast<T>(lanes[16 * c + m]);
+        }
+      }
+    }
+  });
+}
+#endif
+
 void check_cpu(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "rhymerl native kernels: ", name,
               " must be a contiguous CPU tensor");
+}
+
+// Whether decode_attention runs for heads of size d in this dtype (else it returns None: use SDPA).
+bool decode_attention_supports(int64_t d, at::ScalarType dtype) {
+#ifdef RHYMERL_DECODE_ATTENTION
+  return (d == 64 || d == 128) && (dtype == at::kFloat || dtype == at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// q [N, H, D]: one decode token per slot -> [N, H, D], or None where the kernel does not support the
+// shape, dtype or CPU. Token i attends to keys [0, write_pos[i]] of slot slot_of[i] in cache
+// [slots, 2KV, capacity, D] (this step's keys/values already written).
+std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of,
+                                       const Tensor& write_pos) {
+  check_cpu(q, "q");
+  check_cpu(cache, "cache");
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
+  if (!decode_attention_supports(d, q.scalar_type()) || cache.scalar_type() != q.scalar_type()) return std::nullopt;
+  TORCH_CHECK(h % kv == 0 && h / kv <= 64 && cache.size(-1) == d, "rhymerl native kernels: decode_attention needs "
+              "H a multiple of KV (at most 64 times) and the cache's head size");
+  TORCH_CHECK(slot_of.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong && slot_of.size(0) == n &&
+              write_pos.size(0) == n, "rhymerl native kernels: slot_of and write_pos must be int64 [N]");
+  Tensor out = at::empty_like(q);
+#ifdef RHYMERL_DECODE_ATTENTION
+  auto run = [&](auto type, auto nw) {
+    using T = decltype(type);
+    decode_attention_rows<T, decltype(nw)::value>(
+        q.const_data_ptr<T>(), cache.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+        slot_of.const_data_ptr<int64_t>(), write_pos.const_data_ptr<int64_t>(), n, h, kv, cache.stride(0),
+        cache.stride(1), static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
+  };
+  auto run_type = [&](auto type) {
+    if (d == 64) run(type, std::integral_constant<int, 2>{});
+    else run(type, std::integral_constant<int, 4>{});
+  };
+  if (q.scalar_type() == at::kFloat) run_type(float{});
+  else run_type(c10::BFloat16{});
+#endif
+  return out;
 }
 
 // (s, y): s = x + r (or x when r is None), y = rmsnorm(s) * w. x, r: [N, D].
@@ -207,15 +375,19 @@ std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const 
 }
 
 // Attention of a step whose tokens form one slot group (engine/model_runner.py: _Group and
-// CachedAttention._group/_sdpa, which this mirrors op for op): SDPA over the cache rows of the group's slots
+// CachedAttention._group/_sdpa, which this mirrors op for op): decode rows through decode_attention where it
+// takes them, else SDPA over the cache rows of the group's slots
 // (a slice [lo, hi) when `rows` is None, else a gather), keys [0, l), an additive mask. Queries are a view
 // when every row has one token (`dense_rows` None), else scattered into a dense [b, H, t, D] layout.
 // fold > 1: the G query heads of a KV head are folded into the query axis.
 Tensor group_attention(const Tensor& q, const Tensor& cache, const std::optional<Tensor>& rows, int64_t lo,
                        int64_t hi, int64_t l, const Tensor& mask, int64_t fold,
                        const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b,
-                       int64_t t) {
+                       int64_t t, const Tensor& slot_of, const Tensor& write_pos) {
   using at::indexing::Slice;
+  if (!dense_rows) {  // one decode token per row: the decode kernel where it supports the shape
+    if (auto out = decode_attention(q, cache, slot_of, write_pos)) return *out;
+  }
   const int64_t h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
   Tensor keys = cache.narrow(2, 0, l);
   keys = rows ? keys.index_select(0, *rows) : keys.slice(0, lo, hi);  // [b, 2KV, L, D]
@@ -260,7 +432,8 @@ std::tuple<Tensor, Tensor> forward_layers(
       Tensor prefix = layer_cache.narrow(2, 0, share_len[j]);
       prefix.index_copy_(0, share_dst[j], prefix.index_select(0, share_src[j]));
     }
-    Tensor out = group_attention(q, layer_cache, rows, lo, hi, l, mask, fold, dense_rows, dense_cols, b, t);
+    Tensor out = group_attention(q, layer_cache, rows, lo, hi, l, mask, fold, dense_rows, dense_cols, b, t,
+                                 slot_of, write_pos);
     std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), packed, eps);
   }
   return {x, *r};
@@ -272,6 +445,7 @@ std::tuple<Tensor, Tensor> forward_layers(
 // tensors, and the kernels are called under inference mode only, so no autograd formula is needed.
 TORCH_LIBRARY(rhymerl_native, m) {
   m.def("add_rms_norm(Tensor x, Tensor? r, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor write_pos) -> Tensor?", &decode_attention);
   m.def(
       "pre_attn(Tensor x, Tensor? r, Tensor norm_w, Tensor qkv_w, Tensor? qkv_b, bool packed, Tensor? q_norm, "
       "Tensor? k_norm, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slot_of, Tensor write_pos, int h, int kv, "
