@@ -8,6 +8,7 @@ import torch
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampler import BLOCK, filtered_probs, keyed_uniforms, sample, sample_columns
 from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
+from rhymerl.model import native
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
@@ -267,3 +268,38 @@ def test_draws_survive_last_bit_perturbations():
     params = SamplingParams(temperature=1.0)
     keys = [draw_key(5, request_key(i), 3) for i in range(2000)]
     assert sample(logits, params, keys)[0] == sample(noisy, params, keys)[0]
+
+
+native_ops = native.ops()
+
+
+@pytest.mark.skipif(native_ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
+@pytest.mark.parametrize("temperature", [0.05, 0.3, 1.0, 1.7])
+@pytest.mark.parametrize("vocab", [49152, 3 * BLOCK + 7, 10])  # whole blocks, a short last block, one block
+def test_native_sampler_draws_what_the_torch_sampler_draws(temperature, vocab):
+    """`sample_rows` (the fused kernels' plain case) against `sample`'s torch code on the same keys: the same
+    tokens (its exp differs by a few ulp, which keyed Gumbel-max shrugs off) and log-probs to 1e-5."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(600, vocab, generator=g) * 4
+    params = SamplingParams(temperature=temperature)
+    keys = [draw_key(9, request_key(i), i % 7) for i in range(600)]
+    want_tokens, want_logprobs = sample(logits, params, keys)
+    got_tokens, got_logprobs = sample(logits, params, keys, native_ops)
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(native_ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
+def test_native_sampler_distribution_matches_softmax():
+    """Chi-square check of `sample_rows` over a vocabulary of several blocks (both levels exercised)."""
+    logits = torch.full((1, 3 * BLOCK + 7), -30.0)
+    hot = torch.tensor([3, 40, 200, 300, 600, 770, 771])
+    logits[0, hot] = torch.tensor([2.0, 1.9, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 4000
+    keys = [draw_key(1, request_key(i), 0) for i in range(n)]
+    toks, _ = sample(logits.expand(n, -1).contiguous(), SamplingParams(temperature=0.8), keys, native_ops)
+    expected = torch.softmax(logits[0].double() / 0.8, -1) * n
+    counts = torch.bincount(torch.tensor(toks), minlength=logits.shape[1]).double()
+    assert counts.sum() == n and counts[hot].sum() >= n - 5  # the -30 tokens hold 1e-13 of the mass
+    chi2 = (((counts - expected)[hot]) ** 2 / expected[hot]).sum()
+    assert chi2 < 22.5  # p = 0.001 for 6 degrees of freedom

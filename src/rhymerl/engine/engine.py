@@ -289,7 +289,8 @@ class Engine:
             # all rows in order (a plain step): no 6 MB copy of the logits; otherwise index_select, the
             # cheaper of the two row copies torch offers (advanced indexing goes through index_put machinery)
             rows_t = None if sel == list(range(len(logits))) else torch.tensor(sel, device=logits.device)
-            toks, lps = sample(logits if rows_t is None else logits.index_select(0, rows_t), params, keys)
+            toks, lps = sample(logits if rows_t is None else logits.index_select(0, rows_t), params, keys,
+                               self.runner.ops)
             for k, t, lp in zip(ks, toks, lps):
                 tokens[k], logprobs[k] = t, lp
         return tokens, logprobs

@@ -89,12 +89,17 @@ def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Te
     return (b * BLOCK + c)[:, None]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int]) -> tuple[list[int], list[float]]:
+def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernels=None) -> tuple[list[int], list[float]]:
     """logits: [R, V] fp32, all rows with the same params; keys: [R] draw keys (`draw_key`).
-    Returns (token ids, policy log-probs)."""
+    Returns (token ids, policy log-probs). `kernels`: `rhymerl.model.native.ops()`, whose `sample_rows`
+    does the plain case (temperature, no top-k/top-p) on a CPU in one pass over each row, with the same
+    keyed noise and a few-ulp exp (tests/test_sampler.py compares the two: the same tokens)."""
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
+    if kernels is not None and params.top_k == 0 and params.top_p >= 1.0 and logits.device.type == "cpu":
+        tokens, logprobs = kernels.sample_rows(logits, torch.tensor(keys, dtype=torch.int64), 1.0 / params.temperature)
+        return tokens.tolist(), logprobs.tolist()
     # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
     # whose sum is the normaliser) where log_softmax + exp + sums take seven.
