@@ -42,26 +42,54 @@ Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, 
 // Rows worth a thread each: below this, OpenMP's fork costs more than the loop.
 constexpr int64_t kGrain = 16;
 
+// float <-> T in a form the compiler vectorises: c10's bf16 rounding branches on NaN, which kept every loop
+// that rounds to bf16 scalar. Same results: bf16 is the top half of an fp32, rounded to nearest even, and
+// NaN becomes the canonical 0x7FC0.
+inline float widen(float v) { return v; }
+inline float widen(double v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16); }
+template <typename T>
+inline T narrow(float f) { return static_cast<T>(f); }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(f != f ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+// f rounded to T and back (where the eager code produces a tensor of dtype T).
+template <typename T>
+inline float round_to(float f) { return widen(narrow<T>(f)); }
+
+// Sum of squares of n floats, in 16 lanes so that the loop vectorises.
+inline float sum_squares(const float* v, int64_t n) {
+  float lanes[16] = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int u = 0; u < 16; ++u) lanes[u] += v[j + u] * v[j + u];
+  float ss = 0.f;
+  for (; j < n; ++j) ss += v[j] * v[j];
+  for (int u = 0; u < 16; ++u) ss += lanes[u];
+  return ss;
+}
+
 // s = x + r (rounded to T, as the eager residual add is), y = rmsnorm(s) * w; r may be null (s = x).
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* r, T* s, T* y, const T* w, int64_t n, int64_t d, float eps) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(d);
     for (int64_t i = begin; i < end; ++i) {
       const T* xi = x + i * d;
+      const T* ri = r ? r + i * d : nullptr;
       T* si = s + i * d;
       T* yi = y + i * d;
-      float ss = 0.f;
-      for (int64_t j = 0; j < d; ++j) {
-        float v = r ? static_cast<float>(static_cast<T>(static_cast<float>(xi[j]) + static_cast<float>(r[i * d + j])))
-                    : static_cast<float>(xi[j]);
-        si[j] = static_cast<T>(v);
-        ss += v * v;
+      if (ri) {
+        for (int64_t j = 0; j < d; ++j) v[j] = round_to<T>(widen(xi[j]) + widen(ri[j]));
+      } else {
+        for (int64_t j = 0; j < d; ++j) v[j] = widen(xi[j]);
       }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-      for (int64_t j = 0; j < d; ++j) {
-        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(si[j]) * inv));
-        yi[j] = static_cast<T>(normed * static_cast<float>(w[j]));
-      }
+      for (int64_t j = 0; j < d; ++j) si[j] = narrow<T>(v[j]);
+      const float inv = 1.f / std::sqrt(sum_squares(v.data(), d) / static_cast<float>(d) + eps);
+      for (int64_t j = 0; j < d; ++j) yi[j] = narrow<T>(round_to<T>(v[j] * inv) * widen(w[j]));
     }
   });
 }
@@ -70,22 +98,16 @@ void add_rms_norm_rows(const T* x, const T* r, T* s, T* y, const T* w, int64_t n
 // `sin` of decoder.rope_tables: out = round(round(x * cos) + rotate_half(x) * sin).
 template <typename T>
 inline void rope_head(const T* x, T* out, const T* cos, const T* sin, const T* norm_w, int64_t d, float eps, float* tmp) {
+  for (int64_t j = 0; j < d; ++j) tmp[j] = widen(x[j]);
   if (norm_w) {
-    float ss = 0.f;
-    for (int64_t j = 0; j < d; ++j) ss += static_cast<float>(x[j]) * static_cast<float>(x[j]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (int64_t j = 0; j < d; ++j)
-      tmp[j] = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * inv)) *
-                                                 static_cast<float>(norm_w[j])));
-  } else {
-    for (int64_t j = 0; j < d; ++j) tmp[j] = static_cast<float>(x[j]);
+    const float inv = 1.f / std::sqrt(sum_squares(tmp, d) / static_cast<float>(d) + eps);
+    for (int64_t j = 0; j < d; ++j) tmp[j] = round_to<T>(round_to<T>(tmp[j] * inv) * widen(norm_w[j]));
   }
   const int64_t half = d / 2;
-  for (int64_t j = 0; j < d; ++j) {
-    const float rot = tmp[j < half ? j + half : j - half];
-    const float a = static_cast<float>(static_cast<T>(tmp[j] * static_cast<float>(cos[j])));
-    out[j] = static_cast<T>(a + rot * static_cast<float>(sin[j]));
-  }
+  for (int64_t j = 0; j < half; ++j)
+    out[j] = narrow<T>(round_to<T>(tmp[j] * widen(cos[j])) + tmp[j + half] * widen(sin[j]));
+  for (int64_t j = half; j < d; ++j)
+    out[j] = narrow<T>(round_to<T>(tmp[j] * widen(cos[j])) + tmp[j - half] * widen(sin[j]));
 }
 
 template <typename T>
@@ -146,9 +168,8 @@ void silu_mul_rows(const T* gu, T* act, int64_t n, int64_t inter) {
       const T* u = g + inter;
       T* o = act + i * inter;
       for (int64_t j = 0; j < inter; ++j) {
-        const float x = static_cast<float>(g[j]);
-        const float silu = static_cast<float>(static_cast<T>(x / (1.f + exp_approx(-x))));
-        o[j] = static_cast<T>(silu * static_cast<float>(u[j]));
+        const float x = widen(g[j]);
+        o[j] = narrow<T>(round_to<T>(x / (1.f + exp_approx(-x))) * widen(u[j]));
       }
     }
   });
