@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import SMALL_STEP, ModelRunner, SlotInput
+from rhymerl.engine.model_runner import SMALL_STEP, TREE_STEP, ModelRunner, SlotInput
 from rhymerl.model import native
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
@@ -145,12 +145,12 @@ def test_every_kind_of_step_in_one_forward(make_runner, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "llama-d64"])
 def test_decode_rows_beside_a_long_prefill(make_runner, arch):
-    """Decode rows whose attention group is not the whole step (a prefill longer than SMALL_STEP is its
-    own group), so their queries are picked out of the step's tokens: the fused decode attention's
-    Python-side call at heads of 64."""
-    model, runner = make_runner(arch, slots=8)
+    """Decode rows whose attention group is not the whole step (a prefill longer than TREE_STEP is its
+    own group, whichever attention serves the small steps), so their queries are picked out of the
+    step's tokens: at heads of 64, the fused tree attention's Python-side call."""
+    model, runner = make_runner(arch, slots=8, max_len=128)
     a, b = random_prompts(2, seed=14)
-    long_prompt = random_prompts(1, lo=SMALL_STEP + 3, hi=SMALL_STEP + 3, seed=15)[0]
+    long_prompt = random_prompts(1, lo=TREE_STEP + 6, hi=TREE_STEP + 6, seed=15)[0]
     runner.run([SlotInput(1, 0, a[:-1]), SlotInput(6, 0, b[:-1])])
     logits = runner.run([SlotInput(1, len(a) - 1, a[-1:]), SlotInput(4, 0, long_prompt),
                          SlotInput(6, len(b) - 1, b[-1:])])

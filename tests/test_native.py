@@ -150,42 +150,80 @@ def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype, arch):
         assert torch.equal(got, want)
 
 
-def decode_reference(q, cache, slot_of, write_pos):
-    """fp64 attention of each decode token over its slot's keys [0, write_pos]: [N, H, D]."""
+def tree_reference(q, cache, slot_of, base, anc):
+    """fp64 attention of each token over its slot's keys [0, base) and base + j for the bits j of anc."""
     kv = cache.shape[1] // 2
     out = []
     for i in range(q.shape[0]):
-        keys = cache[slot_of[i], :, : write_pos[i] + 1].double()
+        bits = int(anc[i]) & ((1 << 64) - 1)
+        keys = list(range(int(base[i]))) + [int(base[i]) + j for j in range(64) if bits >> j & 1]
+        rows = cache[slot_of[i], :, keys].double()
         out.append(torch.nn.functional.scaled_dot_product_attention(
-            q[i].double()[:, None], keys[:kv], keys[kv:], enable_gqa=True)[:, 0])
+            q[i].double()[:, None], rows[:kv], rows[kv:], enable_gqa=True)[:, 0])
     return torch.stack(out)
+
+
+def tree_step(parents_per_slot, bases, slots):
+    """(slot_of, base, anc) of a step in which slot s feeds a tree with the given parents (-1: the prefix)."""
+    slot_of, base, anc = [], [], []
+    for parents, b, s in zip(parents_per_slot, bases, slots):
+        masks = []
+        for i, p in enumerate(parents):
+            masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+        slot_of += [s] * len(parents)
+        base += [b] * len(parents)
+        anc += [m - (1 << 64) if m >= 1 << 63 else m for m in masks]  # uint64 bits as int64
+    return torch.tensor(slot_of), torch.tensor(base), torch.tensor(anc, dtype=torch.int64)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 1, 128)])
-def test_decode_attention_against_a_float64_reference(dtype, heads, kv_heads, head_dim):
-    """The decode kernel (SmolLM2's and Qwen's head shapes) at lengths around its 16-key blocks, reading
-    each slot only up to its own length: the cache beyond it holds NaN, which must not reach the output."""
-    if ops.decode_attention(torch.zeros(1, heads, head_dim, dtype=dtype), torch.zeros(1, 2 * kv_heads, 4, head_dim,
-                            dtype=dtype), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is None:
-        pytest.skip("decode attention not built for this CPU (it needs AVX-512): SDPA serves decode rows")
+def test_tree_attention_against_a_float64_reference(dtype, heads, kv_heads, head_dim):
+    """The tree kernel (SmolLM2's and Qwen's head shapes) on one step holding decode rows at lengths around
+    its 16-key blocks, a draft tree, a 64-token chain from an empty prefix and a prefix of 250: each
+    token sees its prefix and its own ancestors only. The cache past each slot's step holds NaN, which
+    must not reach the output."""
+    if not ops.tree_attention_supports(head_dim, dtype):
+        pytest.skip("tree attention not built for this CPU (it needs AVX-512): SDPA serves every step")
+    tree = [-1, 0, 0, 1, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5]  # 19 tokens, depth 16
+    parents = [[-1], [-1], [-1], tree, list(range(-1, 63)), [-1], [-1, 0, 1]]
+    bases = [0, 14, 16, 37, 0, 250, 17]
+    slots = [4, 0, 2, 6, 5, 1, 3]
+    slot_of, base, anc = tree_step(parents, bases, slots)
     g = torch.Generator().manual_seed(0)
-    write_pos = torch.tensor([0, 14, 15, 16, 37, 250])
-    slot_of = torch.tensor([4, 0, 2, 6, 5, 1])
     cache = torch.full((7, 2 * kv_heads, 300, head_dim), float("nan"), dtype=dtype)
-    for s, p in zip(slot_of, write_pos):
-        cache[s, :, : p + 1] = torch.randn(2 * kv_heads, int(p) + 1, head_dim, generator=g).to(dtype)
-    q = torch.randn(6, heads, head_dim, generator=g).to(dtype)
-    out = ops.decode_attention(q, cache, slot_of, write_pos)
+    for s, b, p in zip(slots, bases, parents):
+        cache[s, :, : b + len(p)] = torch.randn(2 * kv_heads, b + len(p), head_dim, generator=g).to(dtype)
+    q = torch.randn(len(slot_of), heads, head_dim, generator=g).to(dtype)
+    out = ops.tree_attention(q, cache, slot_of, base, anc)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bf16: its rounding
-    torch.testing.assert_close(out.double(), decode_reference(q, cache, slot_of, write_pos), **tol)
+    torch.testing.assert_close(out.double(), tree_reference(q, cache, slot_of, base, anc), **tol)
 
 
 @needs_kernels
-def test_decode_attention_declines_what_it_does_not_take():
-    """Heads of 24 (Qwen3's tiny test size) or fp16: None, and the caller uses SDPA."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verified_token_and_the_same_token_decoded_get_the_same_bits(dtype):
+    """Tree attention's arithmetic per query depends only on its keys in order: a token on a draft-tree
+    path and the same token decoded later, once its path is committed, attend identically."""
+    if not ops.tree_attention_supports(64, dtype):
+        pytest.skip("tree attention not built for this CPU (it needs AVX-512)")
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(1, 6, 80, 64, generator=g).to(dtype)
+    q = torch.randn(4, 9, 64, generator=g).to(dtype)
+    # tree over base 40: 0 <- 1 <- 3 is a path; 2 hangs from 0. Token 3 sees keys [0, 40), 40, 41, 43.
+    slot_of, base, anc = tree_step([[-1, 0, 0, 1]], [40], [0])
+    tree_out = ops.tree_attention(q, cache, slot_of, base, anc)[3]
+    committed = cache.clone()
+    committed[0, :, 42] = cache[0, :, 43]  # the commit moves the path's last key next to the others
+    decoded = ops.tree_attention(q[3:], committed, torch.tensor([0]), torch.tensor([42]), torch.tensor([1]))[0]
+    assert torch.equal(tree_out, decoded)
+
+
+@needs_kernels
+def test_tree_attention_declines_what_it_does_not_take():
+    """Heads of 24 (Qwen3's tiny test size) or fp16: not supported, and the kernel returns None."""
+    assert not ops.tree_attention_supports(24, torch.float32)
+    assert not ops.tree_attention_supports(64, torch.float16)
     pos = torch.zeros(1, dtype=torch.long)
-    assert ops.decode_attention(torch.zeros(1, 4, 24), torch.zeros(1, 4, 8, 24), pos, pos) is None
-    half = torch.zeros(1, 4, 64, dtype=torch.float16)
-    assert ops.decode_attention(half, torch.zeros(1, 4, 8, 64, dtype=torch.float16), pos, pos) is None
+    assert ops.tree_attention(torch.zeros(1, 4, 24), torch.zeros(1, 4, 8, 24), pos, pos, pos + 1) is None

@@ -51,14 +51,36 @@ def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray | None, np
 
 
 SMALL_STEP = 16  # slots feeding at most this many tokens (decode, draft trees) share one attention call
+TREE_STEP = 64  # ... or this many, with the fused tree attention (which has no padding to pay for)
 
 
-def _bucket(n: int) -> int:
+def _bucket(n: int, tree_kernel: bool) -> int:
     """Attention group of a slot feeding n tokens: every decode row and draft tree together (0), prefill
     chunks by size (17-32, 33-64, 65+). Attention over a slot range reads every slot's keys/values in it,
     so splitting the small steps by size (as an earlier version did) read the cache once per size class;
-    one call padded to the largest tree reads it once (`rhymerl bench spec` in docs/benchmarks.md)."""
-    return 0 if n <= SMALL_STEP else min((n - 1).bit_length(), 7)
+    one call padded to the largest tree reads it once (`rhymerl bench spec` in docs/benchmarks.md). The
+    fused tree attention reads each slot to its own length, so group 0 takes up to TREE_STEP tokens."""
+    return 0 if n <= (TREE_STEP if tree_kernel else SMALL_STEP) else min((n - 1).bit_length(), 7)
+
+
+class _TreeGroup:
+    """Slots of at most TREE_STEP tokens each, attended by the fused kernels' `tree_attention`: per token,
+    the slot's committed length (`base`) and a bitmask of its tree ancestors and itself (`anc`, bit j =
+    the slot's j-th token of the step). Tokens stay in packed order: a slot's tokens are consecutive."""
+
+    def __init__(self, inputs: list[SlotInput], token_offsets: list[int], trees: list, device, num_tokens: int):
+        ns = [len(x.tokens) for x in inputs]
+        token_index = np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])
+        in_order = len(token_index) == num_tokens and bool((token_index == np.arange(num_tokens)).all())
+        self.token_index = None if in_order else torch.from_numpy(token_index).to(device)
+        anc = []
+        for n, (matrix, _) in zip(ns, trees):
+            if matrix is None:  # a single token: itself
+                anc.append(np.ones(1, dtype=np.uint64))
+            else:  # row i of the ancestor matrix as bits
+                anc.append((matrix.astype(np.uint64) << np.arange(n, dtype=np.uint64)).sum(axis=1, dtype=np.uint64))
+        self.base = torch.from_numpy(np.repeat([x.base for x in inputs], ns).astype(np.int64)).to(device)
+        self.anc = torch.from_numpy(np.concatenate(anc).view(np.int64)).to(device)
 
 
 class _Group:
@@ -121,14 +143,14 @@ class _Group:
 class CachedAttention:
     """The attention backend for the engine: write new keys/values, attend over the slot caches.
 
-    `decode_attention`: the fused kernels' decode attention (`rhymerl.model.native`), which a group of
-    decode rows (one token per slot) goes through instead of SDPA where it supports the shape (it returns
-    None where not); None: SDPA for every group."""
+    `tree_attention`: the fused kernels' tree attention (`rhymerl.model.native`, given only where it takes
+    the cache's head size and dtype), which attends the step's decode rows, draft trees and short chains
+    (group 0) without padding or mask; None: SDPA for every group."""
 
     def __init__(self, cache: KVCache, inputs: list[SlotInput], trees: list, device, num_heads: int,
-                 decode_attention=None):
+                 tree_attention=None):
         dtype = cache.kv.dtype
-        self.decode_attention = decode_attention
+        self.tree_attention = tree_attention
         group_size = num_heads // cache.num_kv_heads
         self.cache = cache
         slot_of, write_pos = [], []
@@ -143,9 +165,12 @@ class CachedAttention:
         self.write_pos = torch.tensor(write_pos, device=device)
         buckets: dict[int, list[int]] = {}
         for i, x in enumerate(inputs):
-            buckets.setdefault(_bucket(len(x.tokens)), []).append(i)
-        self.groups = [_Group([inputs[i] for i in g], [offsets[i] for i in g], [trees[i] for i in g], dtype,
-                              device, group_size, off) for _, g in sorted(buckets.items())]
+            buckets.setdefault(_bucket(len(x.tokens), tree_attention is not None), []).append(i)
+        self.groups = [
+            _TreeGroup([inputs[i] for i in g], [offsets[i] for i in g], [trees[i] for i in g], device, off)
+            if bucket == 0 and tree_attention is not None else
+            _Group([inputs[i] for i in g], [offsets[i] for i in g], [trees[i] for i in g], dtype, device, group_size, off)
+            for bucket, g in sorted(buckets.items())]
         # Shared prefixes, by length: (destination slots, source slots, length). Copied in each layer after
         # that layer's new keys/values are written, so a source may be prefilling the prefix in this very step.
         shares: dict[int, tuple[list[int], list[int]]] = {}
@@ -166,10 +191,12 @@ class CachedAttention:
         if len(self.groups) != 1 or self.groups[0].token_index is not None:
             return None
         g = self.groups[0]
+        shares = ([d for d, _, _ in self.shares], [s for _, s, _ in self.shares], [n for _, _, n in self.shares])
+        if isinstance(g, _TreeGroup):
+            return self.cache.kv, (g.base, g.anc, None, 0, 0, 0, None, 1, None, None, 0, 0, *shares)
         rows, lo, hi = (None, g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else (g.rows, 0, 0)
         dense_rows, dense_cols = g.dense if g.dense is not None else (None, None)
-        shares = ([d for d, _, _ in self.shares], [s for _, s, _ in self.shares], [n for _, _, n in self.shares])
-        return self.cache.kv, (rows, lo, hi, g.l, g.mask, g.fold, dense_rows, dense_cols, g.b, g.t, *shares)
+        return self.cache.kv, (None, None, rows, lo, hi, g.l, g.mask, g.fold, dense_rows, dense_cols, g.b, g.t, *shares)
 
     def attend(self, layer, q, kv):
         self.cache.kv[layer][self.slot_of, :, self.write_pos] = kv
@@ -187,15 +214,12 @@ class CachedAttention:
             out[g.token_index] = self._group(q if g.token_index is None else q[g.token_index], cache, g)
         return out
 
-    def _group(self, q, cache, g: _Group):
+    def _group(self, q, cache, g: _Group | _TreeGroup):
         """q: [n, H, D] the group's tokens in packed order -> [n, H, D]."""
+        if isinstance(g, _TreeGroup):
+            slot_of = self.slot_of if g.token_index is None else self.slot_of[g.token_index]
+            return self.tree_attention(q, cache, slot_of, g.base, g.anc)
         h, d = q.shape[1], q.shape[2]
-        if g.dense is None and self.decode_attention is not None:  # decode rows: each reads its own length
-            index = g.token_index
-            out = self.decode_attention(q, cache, self.slot_of if index is None else self.slot_of[index],
-                                        self.write_pos if index is None else self.write_pos[index])
-            if out is not None:
-                return out
         if g.dense is None:  # one token per row, every row: [n, H, D] is already [b, t=1, H, D]
             return self._sdpa(q.view(g.b, 1, h, d).transpose(1, 2), cache, g).transpose(1, 2).reshape(g.b, h, d)
         rows, cols = g.dense
@@ -225,6 +249,8 @@ class ModelRunner:
         self.packed = model.enable_packing()  # prepacked bf16 weights on CPU: ~2x faster matmuls
         self.device = next(model.parameters()).device
         self.ops = native.ops() if fused and self.device.type == "cpu" else None
+        takes_trees = self.ops is not None and self.ops.tree_attention_supports(model.cfg.head_dim, cache.kv.dtype)
+        self.tree_attention = self.ops.tree_attention if takes_trees else None
 
     @torch.inference_mode()
     def run(self, inputs: list[SlotInput]) -> torch.Tensor:
@@ -244,8 +270,7 @@ class ModelRunner:
         tokens_t = torch.tensor(tokens, device=dev)
         positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
-        backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads,
-                                  self.ops.decode_attention if self.ops is not None else None)
+        backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads, self.tree_attention)
         if self.ops is not None:
             return self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows).float()
         return self.model.forward_packed(tokens_t, positions_t, backend, logit_rows).float()

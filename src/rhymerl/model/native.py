@@ -2,9 +2,9 @@
 
 `native_kernels.cpp` (next to this file) turns a decoder layer's ~30 small eager kernels and Python calls
 into two calls around the attention (`pre_attn`, `post_attn`), and the whole layer stack into one call
-(`forward_layers`) when a step's attention is one SDPA call per layer; decode rows get an attention kernel
-of their own on AVX-512 CPUs (`decode_attention`), and the sampler's plain case (temperature, no top-k or
-top-p) a one-pass version of `engine/sampler.py` (`sample_rows`). The engine uses them on a CPU when they
+(`forward_layers`) when a step's attention is one call per layer; on AVX-512 CPUs decode rows, draft
+trees and short chains get an attention kernel of their own (`tree_attention`), and the sampler's plain
+case (temperature, no top-k or top-p) is a one-pass version of `engine/sampler.py` (`sample_rows`). The engine uses them on a CPU when they
 build (`Decoder.forward_fused`, `sampler.sample`); the eager code in `decoder.py` and the torch code in
 `sampler.py` stay the reference, the training path and the fallback.
 

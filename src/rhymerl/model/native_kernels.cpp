@@ -4,11 +4,13 @@
 // layer in eager PyTorch is ~30 small kernels and as many Python calls; here it is two calls around the
 // attention: `pre_attn` (residual add, RMSNorm, qkv matmul, q/k norm, rope, K/V cache write) and
 // `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul). When a step's
-// attention is one SDPA call per layer (every decode row and draft tree of the step in one group, the
+// attention is one call per layer (every decode row and draft tree of the step in one group, the
 // usual step), `forward_layers` runs the whole stack, attention included, without returning to Python.
-// The matmuls stay oneDNN's (prepacked weights). Attention is SDPA's CPU flash kernel, except for decode
-// rows (one token per slot), which `decode_attention` serves on AVX-512 CPUs: SDPA pads every slot to the
-// step's longest and, for a single query, costs more in set-up than in arithmetic.
+// The matmuls stay oneDNN's (prepacked weights). On AVX-512 CPUs, the attention of decode rows, draft trees
+// and short chains is `tree_attention`'s, which reads each slot to its own length: SDPA pads every slot to
+// the step's longest context and largest tree behind a mask, and for a few queries costs more in set-up
+// than in arithmetic. Longer prefill chunks, and every step elsewhere, go through SDPA's CPU flash kernel.
+// The sampler's plain case is here too (`sample_rows`).
 //
 // Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
 // produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
@@ -176,9 +178,9 @@ void silu_mul_rows(const T* gu, T* act, int64_t n, int64_t inter) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define RHYMERL_DECODE_ATTENTION 1
+#define RHYMERL_TREE_ATTENTION 1
 #include <immintrin.h>
-// Decode attention (below) is written for AVX-512; elsewhere decode rows go through SDPA like the rest.
+// Tree attention (below) is written for AVX-512; elsewhere every step's attention is SDPA's.
 
 // 32 elements of a row -> two fp32 vectors. bf16 is the top half of an fp32, so interleaving each value
 // under 16 zero bits widens it; the interleave works per 128-bit lane, which permutes the order (`lo`
@@ -216,80 +218,135 @@ inline __m512 sum16x16(const __m512* a) {
   return fold(fold(c[0], c[1]), fold(c[2], c[3]));
 }
 
-// Attention of decode rows, one query token per slot: token i attends to keys [0, pos[i]] of slot slots[i]
-// (no mask: each slot is read up to its own length, not padded to the step's longest). A work item is a
-// (token, KV head) pair, whose G = H / KV query heads share its keys and values. fp32 throughout:
-//  1. scores, 16 keys at a time: the block of keys is widened once into `block`, then each head's 16 dot
-//     products are summed by one transpose-and-add tree;
-//  2. softmax of each head's scores;
-//  3. the softmax-weighted sum of the values, up to 16 / (D / 16) heads per pass so that their
-//     accumulators stay in registers; rounded to T at the end.
+// Attention of the small steps of a forward: decode rows, draft trees and short chains (at most 64 tokens
+// per slot). Token i of slot slots[i] attends to the slot's committed prefix, keys [0, base[i]), and to its
+// tree ancestors and itself, keys base[i] + j for each set bit j of anc[i] (a decode row: base = its
+// position, anc = 1). Each slot is read up to its own length, with no mask and no padding.
+//
+// A work item is a run of consecutive tokens of one slot and one KV head; its queries (tokens x the G query
+// heads of the KV head) share the prefix. fp32 throughout:
+//  1. scores, 16 keys at a time: a block of keys is widened once and used by every query; each query's 16
+//     dot products are summed by one transpose-and-add tree. Then each token's ancestors, as blocks of their
+//     own.
+//  2. softmax of each query's scores (prefix, then ancestors, in position order);
+//  3. the softmax-weighted sum of the values, 16 / (D / 16) queries per pass so that their accumulators
+//     stay in registers; rounded to T at the end.
+// A query's arithmetic depends only on its own keys in position order, so a token verified in a tree and
+// the same token decoded later over the same keys get the same bits.
 template <typename T, int NW>  // NW: 32-element units per head (D = 32 * NW)
-void decode_attention_rows(const T* q, const T* cache, T* out, const int64_t* slots, const int64_t* pos, int64_t n,
-                           int64_t h, int64_t kv, int64_t s_slot, int64_t s_head, float scale) {
-  constexpr int D = 32 * NW, NV = 2 * NW, GC = 16 / NV;  // head size, vectors per head, heads per value pass
+void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slots, const int64_t* base,
+                         const int64_t* anc, int64_t n, int64_t h, int64_t kv, int64_t s_slot, int64_t s_head,
+                         float scale) {
+  constexpr int D = 32 * NW, NV = 2 * NW, GC = 16 / NV;  // head size, vectors per head, queries per value pass
   const int64_t g = h / kv;
-  at::parallel_for(0, n * kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(g * NV);
+  std::vector<int64_t> runs;  // token index where each run of one slot starts, then n
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || slots[i] != slots[i - 1] || base[i] != base[i - 1]) runs.push_back(i);
+  runs.push_back(n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1, items = num_runs * kv;
+  // Items in one list per thread of about equal cost (queries x keys), since slots differ in length.
+  std::vector<double> cost(items + 1, 0.0);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t r = it % num_runs, m = runs[r + 1] - runs[r];
+    cost[it + 1] = cost[it] + static_cast<double>(m) * static_cast<double>(base[runs[r]] + m);
+  }
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<__m512> qv;
     std::vector<float> scores;
     alignas(64) __m512 block[16][NV];
-    for (int64_t item = begin; item < end; ++item) {
-      // KV head outer: a thread's contiguous share of the items mixes long and short slots
-      const int64_t j = item / n, i = item % n, len = pos[i] + 1, padded = (len + 15) / 16 * 16;
-      const T* keys = cache + slots[i] * s_slot + j * s_head;
-      const T* values = cache + slots[i] * s_slot + (kv + j) * s_head;
-      const T* q_item = q + (i * h + j * g) * D;
-      for (int64_t e = 0; e < g * NW; ++e) widen32(q_item + 32 * e, qv[2 * e], qv[2 * e + 1]);
-      scores.resize(g * padded);
-      for (int64_t t0 = 0; t0 < len; t0 += 16) {  // 1. scores
-        const int64_t nt = std::min<int64_t>(16, len - t0);
-        for (int64_t t = 0; t < 16; ++t)
-          for (int w = 0; w < NW; ++w) {
-            if (t < nt) widen32(keys + (t0 + t) * D + 32 * w, block[t][2 * w], block[t][2 * w + 1]);
-            else block[t][2 * w] = block[t][2 * w + 1] = _mm512_setzero_ps();
+    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+      const int64_t first = std::lower_bound(cost.begin(), cost.end(), cost[items] * chunk / chunks) - cost.begin();
+      const int64_t last = chunk + 1 == chunks ? items
+          : std::lower_bound(cost.begin(), cost.end(), cost[items] * (chunk + 1) / chunks) - cost.begin();
+      for (int64_t it = first; it < last; ++it) {
+        const int64_t r = it % num_runs, j = it / num_runs, i0 = runs[r], m = runs[r + 1] - i0;
+        const int64_t prefix = base[i0], nq = m * g, stride = (prefix + 15) / 16 * 16 + 64;
+        const T* keys = cache + slots[i0] * s_slot + j * s_head;
+        const T* values = cache + slots[i0] * s_slot + (kv + j) * s_head;
+        qv.resize(nq * NV);
+        for (int64_t t = 0; t < m; ++t)  // query (t, gi) is head j * g + gi of token i0 + t
+          for (int64_t e = 0; e < g * NW; ++e)
+            widen32(q + ((i0 + t) * h + j * g) * D + 32 * e, qv[(t * g) * NV + 2 * e], qv[(t * g) * NV + 2 * e + 1]);
+        scores.resize(nq * stride);
+        // 16 dot products of every query qs..qe with the rows in `block`, scaled, stored at column `col`
+        auto score_block = [&](int64_t qs, int64_t qe, int64_t col) {
+          for (int64_t qi = qs; qi < qe; ++qi) {
+            const __m512* qq = qv.data() + qi * NV;
+            __m512 dots[16];
+            for (int k = 0; k < 16; ++k) {
+              dots[k] = _mm512_mul_ps(qq[0], block[k][0]);
+              for (int c = 1; c < NV; ++c) dots[k] = _mm512_fmadd_ps(qq[c], block[k][c], dots[k]);
+            }
+            _mm512_storeu_ps(scores.data() + qi * stride + col, _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale)));
           }
-        for (int64_t gi = 0; gi < g; ++gi) {
-          const __m512* qg = qv.data() + gi * NV;
-          __m512 dots[16];
-          for (int t = 0; t < 16; ++t) {
-            dots[t] = _mm512_mul_ps(qg[0], block[t][0]);
-            for (int c = 1; c < NV; ++c) dots[t] = _mm512_fmadd_ps(qg[c], block[t][c], dots[t]);
-          }
-          _mm512_storeu_ps(scores.data() + gi * padded + t0, _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale)));
+        };
+        auto load_block = [&](auto row_of, int64_t count) {  // rows row_of(0..count-1) of the keys, zero-padded
+          for (int64_t k = 0; k < 16; ++k)
+            for (int w = 0; w < NW; ++w) {
+              if (k < count) widen32(keys + row_of(k) * D + 32 * w, block[k][2 * w], block[k][2 * w + 1]);
+              else block[k][2 * w] = block[k][2 * w + 1] = _mm512_setzero_ps();
+            }
+        };
+        for (int64_t t0 = 0; t0 < prefix; t0 += 16) {  // 1. scores: the shared prefix ...
+          load_block([&](int64_t k) { return t0 + k; }, std::min<int64_t>(16, prefix - t0));
+          score_block(0, nq, t0);
         }
-      }
-      float inv_sum[64];
-      for (int64_t gi = 0; gi < g; ++gi) {  // 2. softmax
-        float* sg = scores.data() + gi * padded;
-        float m = sg[0];
-        for (int64_t t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = exp_approx(sg[t] - m);
-          sum += sg[t];
-        }
-        inv_sum[gi] = 1.f / sum;
-      }
-      for (int64_t g0 = 0; g0 < g; g0 += GC) {  // 3. values
-        const int64_t gc = std::min<int64_t>(GC, g - g0);
-        __m512 acc[GC][NV];
-        for (int gi = 0; gi < GC; ++gi)
-          for (int c = 0; c < NV; ++c) acc[gi][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; ++t) {
-          __m512 v[NV];
-          for (int w = 0; w < NW; ++w) widen32(values + t * D + 32 * w, v[2 * w], v[2 * w + 1]);
-          for (int gi = 0; gi < GC; ++gi) {
-            if (gi >= gc) break;
-            const __m512 p = _mm512_set1_ps(scores[(g0 + gi) * padded + t]);
-            for (int c = 0; c < NV; ++c) acc[gi][c] = _mm512_fmadd_ps(p, v[c], acc[gi][c]);
+        int64_t na[64], pos[64][64];  // ... then each token's ancestors (positions in order)
+        for (int64_t t = 0; t < m; ++t) {
+          na[t] = 0;
+          for (uint64_t bits = static_cast<uint64_t>(anc[i0 + t]); bits; bits &= bits - 1)
+            pos[t][na[t]++] = prefix + __builtin_ctzll(bits);
+          for (int64_t k0 = 0; k0 < na[t]; k0 += 16) {
+            load_block([&](int64_t k) { return pos[t][k0 + k]; }, std::min<int64_t>(16, na[t] - k0));
+            score_block(t * g, (t + 1) * g, prefix + k0);
           }
         }
-        for (int64_t gi = 0; gi < gc; ++gi) {
-          alignas(64) float lanes[D];
-          for (int c = 0; c < NV; ++c) _mm512_store_ps(lanes + 16 * c, _mm512_mul_ps(acc[gi][c], _mm512_set1_ps(inv_sum[g0 + gi])));
-          T* o = out + (i * h + j * g + g0 + gi) * D;
-          for (int c = 0; c < NV; ++c)
-            for (int m = 0; m < 16; ++m) o[32 * (c / 2) + widened_index<T>(c % 2, m)] = static_cast<T>(lanes[16 * c + m]);
+        float inv_sum[64 * 64];
+        for (int64_t qi = 0; qi < nq; ++qi) {  // 2. softmax, in 16 lanes (a scalar running sum kept it unvectorised)
+          float* sq = scores.data() + qi * stride;
+          const int64_t len = prefix + na[qi / g];
+          __m512 top16 = _mm512_set1_ps(sq[0]);
+          int64_t k = 0;
+          for (; k + 16 <= len; k += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(sq + k));
+          float top = _mm512_reduce_max_ps(top16);
+          for (; k < len; ++k) top = sq[k] > top ? sq[k] : top;
+          for (k = 0; k < len; ++k) sq[k] = exp_approx(sq[k] - top);
+          __m512 sum16 = _mm512_setzero_ps();
+          for (k = 0; k + 16 <= len; k += 16) sum16 = _mm512_add_ps(sum16, _mm512_loadu_ps(sq + k));
+          float sum = _mm512_reduce_add_ps(sum16);
+          for (; k < len; ++k) sum += sq[k];
+          inv_sum[qi] = 1.f / sum;
+        }
+        for (int64_t q0 = 0; q0 < nq; q0 += GC) {  // 3. values
+          const int64_t qc = std::min<int64_t>(GC, nq - q0);
+          __m512 acc[GC][NV];
+          for (int a = 0; a < GC; ++a)
+            for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_setzero_ps();
+          auto add_row = [&](int a, int64_t row, float weight) {
+            __m512 v[NV];
+            for (int w = 0; w < NW; ++w) widen32(values + row * D + 32 * w, v[2 * w], v[2 * w + 1]);
+            const __m512 p = _mm512_set1_ps(weight);
+            for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_fmadd_ps(p, v[c], acc[a][c]);
+          };
+          for (int64_t k = 0; k < prefix; ++k) {
+            __m512 v[NV];
+            for (int w = 0; w < NW; ++w) widen32(values + k * D + 32 * w, v[2 * w], v[2 * w + 1]);
+            for (int a = 0; a < GC; ++a) {
+              if (a >= qc) break;
+              const __m512 p = _mm512_set1_ps(scores[(q0 + a) * stride + k]);
+              for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_fmadd_ps(p, v[c], acc[a][c]);
+            }
+          }
+          for (int a = 0; a < qc; ++a) {
+            const int64_t qi = q0 + a, t = qi / g;
+            for (int64_t k = 0; k < na[t]; ++k) add_row(a, pos[t][k], scores[qi * stride + prefix + k]);
+            alignas(64) float lanes[D];
+            for (int c = 0; c < NV; ++c) _mm512_store_ps(lanes + 16 * c, _mm512_mul_ps(acc[a][c], _mm512_set1_ps(inv_sum[qi])));
+            T* o = out + ((i0 + t) * h + j * g + qi % g) * D;
+            for (int c = 0; c < NV; ++c)
+              for (int u = 0; u < 16; ++u) o[32 * (c / 2) + widened_index<T>(c % 2, u)] = static_cast<T>(lanes[16 * c + u]);
+          }
         }
       }
     }
@@ -302,36 +359,38 @@ void check_cpu(const Tensor& t, const char* name) {
               " must be a contiguous CPU tensor");
 }
 
-// Whether decode_attention runs for heads of size d in this dtype (else it returns None: use SDPA).
-bool decode_attention_supports(int64_t d, at::ScalarType dtype) {
-#ifdef RHYMERL_DECODE_ATTENTION
+// Whether tree_attention runs for heads of size d in this dtype (else it returns None: use SDPA).
+bool tree_attention_supports(int64_t d, at::ScalarType dtype) {
+#ifdef RHYMERL_TREE_ATTENTION
   return (d == 64 || d == 128) && (dtype == at::kFloat || dtype == at::kBFloat16);
 #else
   return false;
 #endif
 }
 
-// q [N, H, D]: one decode token per slot -> [N, H, D], or None where the kernel does not support the
-// shape, dtype or CPU. Token i attends to keys [0, write_pos[i]] of slot slot_of[i] in cache
-// [slots, 2KV, capacity, D] (this step's keys/values already written).
-std::optional<Tensor> decode_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of,
-                                       const Tensor& write_pos) {
+// q [N, H, D] -> [N, H, D], or None where the kernel does not take the head size, dtype or CPU. Token i
+// attends to keys [0, base[i]) of slot slot_of[i] in cache [slots, 2KV, capacity, D] and to keys
+// base[i] + j for the set bits j of anc[i] (its ancestors in the step's tree and itself; this step's keys
+// and values already written). A slot's tokens are consecutive and share base.
+std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,
+                                     const Tensor& anc) {
   check_cpu(q, "q");
   check_cpu(cache, "cache");
   const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
-  if (!decode_attention_supports(d, q.scalar_type()) || cache.scalar_type() != q.scalar_type()) return std::nullopt;
-  TORCH_CHECK(h % kv == 0 && h / kv <= 64 && cache.size(-1) == d, "rhymerl native kernels: decode_attention needs "
+  if (!tree_attention_supports(d, q.scalar_type()) || cache.scalar_type() != q.scalar_type()) return std::nullopt;
+  TORCH_CHECK(h % kv == 0 && h / kv <= 64 && cache.size(-1) == d, "rhymerl native kernels: tree_attention needs "
               "H a multiple of KV (at most 64 times) and the cache's head size");
-  TORCH_CHECK(slot_of.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong && slot_of.size(0) == n &&
-              write_pos.size(0) == n, "rhymerl native kernels: slot_of and write_pos must be int64 [N]");
+  for (const Tensor* t : {&slot_of, &base, &anc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == n && t->is_contiguous(),
+                "rhymerl native kernels: slot_of, base and anc must be contiguous int64 [N]");
   Tensor out = at::empty_like(q);
-#ifdef RHYMERL_DECODE_ATTENTION
+#ifdef RHYMERL_TREE_ATTENTION
   auto run = [&](auto type, auto nw) {
     using T = decltype(type);
-    decode_attention_rows<T, decltype(nw)::value>(
-        q.const_data_ptr<T>(), cache.const_data_ptr<T>(), out.mutable_data_ptr<T>(),
-        slot_of.const_data_ptr<int64_t>(), write_pos.const_data_ptr<int64_t>(), n, h, kv, cache.stride(0),
-        cache.stride(1), static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
+    tree_attention_rows<T, decltype(nw)::value>(
+        q.const_data_ptr<T>(), cache.const_data_ptr<T>(), out.mutable_data_ptr<T>(), slot_of.const_data_ptr<int64_t>(),
+        base.const_data_ptr<int64_t>(), anc.const_data_ptr<int64_t>(), n, h, kv, cache.stride(0), cache.stride(1),
+        static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
   };
   auto run_type = [&](auto type) {
     if (d == 64) run(type, std::integral_constant<int, 2>{});
@@ -500,18 +559,21 @@ std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const 
 }
 
 // Attention of a step whose tokens form one slot group (engine/model_runner.py: _Group and
-// CachedAttention._group/_sdpa, which this mirrors op for op): decode rows through decode_attention where it
-// takes them, else SDPA over the cache rows of the group's slots
-// (a slice [lo, hi) when `rows` is None, else a gather), keys [0, l), an additive mask. Queries are a view
-// when every row has one token (`dense_rows` None), else scattered into a dense [b, H, t, D] layout.
-// fold > 1: the G query heads of a KV head are folded into the query axis.
-Tensor group_attention(const Tensor& q, const Tensor& cache, const std::optional<Tensor>& rows, int64_t lo,
-                       int64_t hi, int64_t l, const Tensor& mask, int64_t fold,
-                       const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b,
-                       int64_t t, const Tensor& slot_of, const Tensor& write_pos) {
+// CachedAttention._group/_sdpa, which this mirrors op for op). With `tree_base` (every slot of the group
+// feeds at most 64 tokens and tree_attention takes the shape): tree_attention. Else SDPA over the cache rows
+// of the group's slots (a slice [lo, hi) when `rows` is None, else a gather), keys [0, l), an additive
+// mask. Queries are a view when every row has one token (`dense_rows` None), else scattered into a dense
+// [b, H, t, D] layout. fold > 1: the G query heads of a KV head are folded into the query axis.
+Tensor group_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of,
+                       const std::optional<Tensor>& tree_base, const std::optional<Tensor>& tree_anc,
+                       const std::optional<Tensor>& rows, int64_t lo, int64_t hi, int64_t l,
+                       const std::optional<Tensor>& mask, int64_t fold, const std::optional<Tensor>& dense_rows,
+                       const std::optional<Tensor>& dense_cols, int64_t b, int64_t t) {
   using at::indexing::Slice;
-  if (!dense_rows) {  // one decode token per row: the decode kernel where it supports the shape
-    if (auto out = decode_attention(q, cache, slot_of, write_pos)) return *out;
+  if (tree_base) {
+    auto out = tree_attention(q, cache, slot_of, *tree_base, *tree_anc);
+    TORCH_CHECK(out, "rhymerl native kernels: tree attention was asked for a shape it does not take");
+    return *out;
   }
   const int64_t h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
   Tensor keys = cache.narrow(2, 0, l);
@@ -540,7 +602,8 @@ Tensor group_attention(const Tensor& q, const Tensor& cache, const std::optional
 std::tuple<Tensor, Tensor> forward_layers(
     Tensor x, const c10::List<std::optional<Tensor>>& weights, bool packed, const Tensor& cos, const Tensor& sin,
     const Tensor& cache, const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, double eps,
-    const std::optional<Tensor>& rows, int64_t lo, int64_t hi, int64_t l, const Tensor& mask, int64_t fold,
+    const std::optional<Tensor>& tree_base, const std::optional<Tensor>& tree_anc, const std::optional<Tensor>& rows,
+    int64_t lo, int64_t hi, int64_t l, const std::optional<Tensor>& mask, int64_t fold,
     const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b, int64_t t,
     at::TensorList share_dst, at::TensorList share_src, at::IntArrayRef share_len) {
   constexpr int64_t kPerLayer = 9;
@@ -557,8 +620,8 @@ std::tuple<Tensor, Tensor> forward_layers(
       Tensor prefix = layer_cache.narrow(2, 0, share_len[j]);
       prefix.index_copy_(0, share_dst[j], prefix.index_select(0, share_src[j]));
     }
-    Tensor out = group_attention(q, layer_cache, rows, lo, hi, l, mask, fold, dense_rows, dense_cols, b, t,
-                                 slot_of, write_pos);
+    Tensor out = group_attention(q, layer_cache, slot_of, tree_base, tree_anc, rows, lo, hi, l, mask, fold,
+                                 dense_rows, dense_cols, b, t);
     std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), packed, eps);
   }
   return {x, *r};
@@ -571,7 +634,8 @@ std::tuple<Tensor, Tensor> forward_layers(
 TORCH_LIBRARY(rhymerl_native, m) {
   m.def("add_rms_norm(Tensor x, Tensor? r, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def("sample_rows(Tensor logits, Tensor keys, float inv_t) -> (Tensor, Tensor)", &sample_rows);
-  m.def("decode_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor write_pos) -> Tensor?", &decode_attention);
+  m.def("tree_attention_supports(int head_dim, ScalarType dtype) -> bool", &tree_attention_supports);
+  m.def("tree_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor base, Tensor anc) -> Tensor?", &tree_attention);
   m.def(
       "pre_attn(Tensor x, Tensor? r, Tensor norm_w, Tensor qkv_w, Tensor? qkv_b, bool packed, Tensor? q_norm, "
       "Tensor? k_norm, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slot_of, Tensor write_pos, int h, int kv, "
@@ -583,7 +647,8 @@ TORCH_LIBRARY(rhymerl_native, m) {
       &post_attn);
   m.def(
       "forward_layers(Tensor x, Tensor?[] weights, bool packed, Tensor cos, Tensor sin, Tensor(a!) cache, "
-      "Tensor slot_of, Tensor write_pos, int h, int kv, float eps, Tensor? rows, int lo, int hi, int l, Tensor mask, "
+      "Tensor slot_of, Tensor write_pos, int h, int kv, float eps, Tensor? tree_base, Tensor? tree_anc, Tensor? rows, "
+      "int lo, int hi, int l, Tensor? mask, "
       "int fold, Tensor? dense_rows, Tensor? dense_cols, int b, int t, Tensor[] share_dst, Tensor[] share_src, "
       "int[] share_len) -> (Tensor, Tensor)",
       &forward_layers);
