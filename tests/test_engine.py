@@ -276,15 +276,18 @@ native_ops = native.ops()
 @pytest.mark.skipif(native_ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
 @pytest.mark.parametrize("temperature", [0.05, 0.3, 1.0, 1.7])
 @pytest.mark.parametrize("vocab", [49152, 3 * BLOCK + 7, 10])  # whole blocks, a short last block, one block
-def test_native_sampler_draws_what_the_torch_sampler_draws(temperature, vocab):
-    """`sample_rows` (the fused kernels' plain case) against `sample`'s torch code on the same keys: the same
-    tokens (its exp differs by a few ulp, which keyed Gumbel-max shrugs off) and log-probs to 1e-5."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_sampler_draws_what_the_torch_sampler_draws(temperature, vocab, dtype):
+    """`sample_rows` (the fused kernels' plain case) against `sample`'s torch code on the same keys and rows
+    (every other row of the logits, read in place): the same tokens (its exp differs by a few ulp, which
+    keyed Gumbel-max shrugs off) and log-probs to 1e-5."""
     g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(600, vocab, generator=g) * 4
+    logits = (torch.randn(1200, vocab, generator=g) * 4).to(dtype)
     params = SamplingParams(temperature=temperature)
     keys = [draw_key(9, request_key(i), i % 7) for i in range(600)]
-    want_tokens, want_logprobs = sample(logits, params, keys)
-    got_tokens, got_logprobs = sample(logits, params, keys, native_ops)
+    rows = list(range(1, 1200, 2))
+    want_tokens, want_logprobs = sample(logits, params, keys, rows=rows)
+    got_tokens, got_logprobs = sample(logits, params, keys, native_ops, rows)
     assert got_tokens == want_tokens
     torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=1e-5)
 

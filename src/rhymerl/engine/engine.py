@@ -184,7 +184,9 @@ class Engine:
             self.stats.prompt_tokens += len(new) if seq.num_cached < len(seq.prompt_ids) else 0
             self.stats.tokens_forwarded += len(inputs[-1].tokens)
         t1 = time.perf_counter()
-        logits = self.runner.run(inputs)  # rows: 1 per plain slot, 1 + len(draft) per drafting slot
+        # rows: 1 per plain slot, 1 + len(draft) per drafting slot; in the model's dtype (the sampler widens
+        # the rows it reads: a verification step reads few of them)
+        logits = self.runner.run(inputs, float_logits=False)
         self.stats.forward_s += time.perf_counter() - t1
         self.stats.forward_passes += 1
         walks = self._walk(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
@@ -285,12 +287,7 @@ class Engine:
         tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
         for params, ks in groups.items():
             keys = [draw_key(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
-            sel = [rows[k] for k in ks]
-            # all rows in order (a plain step): no 6 MB copy of the logits; otherwise index_select, the
-            # cheaper of the two row copies torch offers (advanced indexing goes through index_put machinery)
-            rows_t = None if sel == list(range(len(logits))) else torch.tensor(sel, device=logits.device)
-            toks, lps = sample(logits if rows_t is None else logits.index_select(0, rows_t), params, keys,
-                               self.runner.ops)
+            toks, lps = sample(logits, params, keys, self.runner.ops, [rows[k] for k in ks])
             for k, t, lp in zip(ks, toks, lps):
                 tokens[k], logprobs[k] = t, lp
         return tokens, logprobs

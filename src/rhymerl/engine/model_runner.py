@@ -253,8 +253,9 @@ class ModelRunner:
         self.tree_attention = self.ops.tree_attention if takes_trees else None
 
     @torch.inference_mode()
-    def run(self, inputs: list[SlotInput]) -> torch.Tensor:
-        """One forward over every slot's new tokens -> fp32 logits [sum of returned rows, vocab]."""
+    def run(self, inputs: list[SlotInput], float_logits: bool = True) -> torch.Tensor:
+        """One forward over every slot's new tokens -> logits [sum of returned rows, vocab]: fp32, or with
+        `float_logits=False` the model's dtype."""
         for x in inputs:
             if x.base + len(x.tokens) > self.cache.capacity:
                 raise ValueError(f"slot {x.slot}: {x.base}+{len(x.tokens)} tokens exceed cache capacity {self.cache.capacity}")
@@ -272,5 +273,7 @@ class ModelRunner:
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
         backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads, self.tree_attention)
         if self.ops is not None:
-            return self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows).float()
-        return self.model.forward_packed(tokens_t, positions_t, backend, logit_rows).float()
+            logits = self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows)
+        else:
+            logits = self.model.forward_packed(tokens_t, positions_t, backend, logit_rows)
+        return logits.float() if float_logits else logits

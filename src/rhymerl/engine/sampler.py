@@ -89,17 +89,26 @@ def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Te
     return (b * BLOCK + c)[:, None]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernels=None) -> tuple[list[int], list[float]]:
-    """logits: [R, V] fp32, all rows with the same params; keys: [R] draw keys (`draw_key`).
-    Returns (token ids, policy log-probs). `kernels`: `rhymerl.model.native.ops()`, whose `sample_rows`
-    does the plain case (temperature, no top-k/top-p) on a CPU in one pass over each row, with the same
-    keyed noise and a few-ulp exp (tests/test_sampler.py compares the two: the same tokens)."""
+def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernels=None,
+           rows: list[int] | None = None) -> tuple[list[int], list[float]]:
+    """logits: [N, V] (fp32, or bf16: widened exactly); rows: the R rows to sample, all with the same params
+    (None: every row); keys: [R] draw keys (`draw_key`). Returns (token ids, policy log-probs).
+    `kernels`: `rhymerl.model.native.ops()`, whose `sample_rows` does the plain case (temperature, no
+    top-k/top-p) on a CPU in one pass over each row, in place, with the same keyed noise and a few-ulp exp
+    (tests/test_engine.py compares the two: the same tokens)."""
+    if kernels is not None and not params.greedy and params.top_k == 0 and params.top_p >= 1.0 \
+            and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        index = torch.arange(len(logits)) if rows is None else torch.tensor(rows, dtype=torch.int64)
+        tokens, logprobs = kernels.sample_rows(logits, index, torch.tensor(keys, dtype=torch.int64),
+                                               1.0 / params.temperature)
+        return tokens.tolist(), logprobs.tolist()
+    if rows is not None and rows != list(range(len(logits))):
+        # index_select: the cheaper of the row copies torch offers (advanced indexing goes through index_put)
+        logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
-    if kernels is not None and params.top_k == 0 and params.top_p >= 1.0 and logits.device.type == "cpu":
-        tokens, logprobs = kernels.sample_rows(logits, torch.tensor(keys, dtype=torch.int64), 1.0 / params.temperature)
-        return tokens.tolist(), logprobs.tolist()
     # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
     # whose sum is the normaliser) where log_softmax + exp + sums take seven.

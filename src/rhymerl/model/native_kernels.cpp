@@ -420,17 +420,28 @@ constexpr uint64_t kTokenSalt = uint64_t(1) << 40;  // sampler._TOKEN_SALT
 // 16 floats as one SIMD value (a GCC/Clang vector extension, lowered to whatever the CPU has), for the
 // row-long max and sums below, which the compiler does not vectorise from scalar code.
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 
 // One row of logits [V] -> (token, log-prob): the two-level keyed Gumbel-max of engine/sampler.py. Block
 // masses are sums of p_c = exp(max(z_c - max z, -80)) for z = logits / T; the chosen block's p_c are
 // recomputed rather than stored, so the row is read twice (max, then masses) plus one block.
-std::pair<int64_t, float> sample_row(const float* x, int64_t v, uint64_t key, float inv_t, float* mass) {
-  float top = x[0];
+template <typename T>  // float or bf16 logits, widened exactly
+std::pair<int64_t, float> sample_row(const T* x, int64_t v, uint64_t key, float inv_t, float* mass) {
+  float top = widen(x[0]);
   int64_t c = 0;
   if (v >= 16) {
     f32x16 tops = load16(x);
@@ -440,13 +451,13 @@ std::pair<int64_t, float> sample_row(const float* x, int64_t v, uint64_t key, fl
     }
     for (int u = 0; u < 16; ++u) top = tops[u] > top ? tops[u] : top;
   }
-  for (; c < v; ++c) top = x[c] > top ? x[c] : top;
+  for (; c < v; ++c) top = widen(x[c]) > top ? widen(x[c]) : top;
   const float shift = top * -inv_t;  // z_c - max z = shift + inv_t * x_c: 0 at the maximum
   alignas(64) float p[kBlock];
   auto block_probs = [&](int64_t b) {  // p_c of block b into p; returns its length
     const int64_t lo = b * kBlock, n = std::min(v - lo, kBlock);
     for (int64_t i = 0; i < n; ++i) {
-      const float z = shift + inv_t * x[lo + i];
+      const float z = shift + inv_t * widen(x[lo + i]);
       p[i] = z < -80.f ? -80.f : z;  // out of denormals, as in sampler.py
     }
     for (int64_t i = 0; i < n; ++i) p[i] = exp_approx(p[i]);
@@ -479,28 +490,37 @@ std::pair<int64_t, float> sample_row(const float* x, int64_t v, uint64_t key, fl
     const double score = std::log(static_cast<double>(p[i])) + gumbel(key, col + kTokenSalt);
     if (score > best) best = score, token = col;
   }
-  return {token, (shift + inv_t * x[token]) - std::log(total)};
+  return {token, (shift + inv_t * widen(x[token])) - std::log(total)};
 }
 
-// logits [R, V] fp32, keys [R] int64 (sampling_params.draw_key), inv_t = 1 / temperature ->
-// (tokens [R] int64, log-probs [R] fp32): sampler.sample for temperature > 0 without top-k/top-p.
-std::tuple<Tensor, Tensor> sample_rows(const Tensor& logits, const Tensor& keys, double inv_t) {
+// logits [N, V] fp32 or bf16, rows [R] int64 (the rows to sample), keys [R] int64 (sampling_params.draw_key),
+// inv_t = 1 / temperature -> (tokens [R] int64, log-probs [R] fp32): sampler.sample for temperature > 0
+// without top-k/top-p. Reading the rows in place spares the engine a widened copy of the logits.
+std::tuple<Tensor, Tensor> sample_rows(const Tensor& logits, const Tensor& rows, const Tensor& keys, double inv_t) {
   check_cpu(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "rhymerl native kernels: sample_rows takes "
-              "fp32 logits [R, V]");
-  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.numel() == logits.size(0), "rhymerl native kernels: "
-              "sample_rows needs one int64 key per row");
-  const int64_t r = logits.size(0), v = logits.size(1);
-  Tensor tokens = at::empty({r}, keys.options()), logprobs = at::empty({r}, logits.options());
-  const float* x = logits.const_data_ptr<float>();
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "rhymerl native kernels: sample_rows takes fp32 or bf16 logits [N, V]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && keys.scalar_type() == at::kLong && rows.numel() == keys.numel() &&
+              rows.is_contiguous() && keys.is_contiguous(), "rhymerl native kernels: sample_rows needs int64 rows "
+              "and one int64 key per row");
+  const int64_t r = rows.numel(), v = logits.size(1), n = logits.size(0);
+  Tensor tokens = at::empty({r}, keys.options()), logprobs = at::empty({r}, logits.options().dtype(at::kFloat));
+  const int64_t* row = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < r; ++i)
+    TORCH_CHECK(0 <= row[i] && row[i] < n, "rhymerl native kernels: sample_rows row ", row[i], " outside [0, ", n, ")");
   const int64_t* k = keys.const_data_ptr<int64_t>();
   int64_t* t = tokens.mutable_data_ptr<int64_t>();
   float* lp = logprobs.mutable_data_ptr<float>();
-  at::parallel_for(0, r, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> mass((v + kBlock - 1) / kBlock);
-    for (int64_t i = begin; i < end; ++i)
-      std::tie(t[i], lp[i]) = sample_row(x + i * v, v, static_cast<uint64_t>(k[i]), static_cast<float>(inv_t), mass.data());
-  });
+  auto run = [&](const auto* x) {
+    at::parallel_for(0, r, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> mass((v + kBlock - 1) / kBlock);
+      for (int64_t i = begin; i < end; ++i)
+        std::tie(t[i], lp[i]) = sample_row(x + row[i] * v, v, static_cast<uint64_t>(k[i]), static_cast<float>(inv_t),
+                                           mass.data());
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) run(logits.const_data_ptr<float>());
+  else run(logits.const_data_ptr<c10::BFloat16>());
   return {tokens, logprobs};
 }
 
@@ -633,7 +653,7 @@ std::tuple<Tensor, Tensor> forward_layers(
 // tensors, and the kernels are called under inference mode only, so no autograd formula is needed.
 TORCH_LIBRARY(rhymerl_native, m) {
   m.def("add_rms_norm(Tensor x, Tensor? r, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
-  m.def("sample_rows(Tensor logits, Tensor keys, float inv_t) -> (Tensor, Tensor)", &sample_rows);
+  m.def("sample_rows(Tensor logits, Tensor rows, Tensor keys, float inv_t) -> (Tensor, Tensor)", &sample_rows);
   m.def("tree_attention_supports(int head_dim, ScalarType dtype) -> bool", &tree_attention_supports);
   m.def("tree_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor base, Tensor anc) -> Tensor?", &tree_attention);
   m.def(
