@@ -36,7 +36,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-FUSED_PER_LAYER = 9  # tensors per layer in Decoder._fused_weights (native_kernels.cpp: kPerLayer)
+FUSED_PER_LAYER = 9  # tensors per layer in Decoder._fused_weights (kernels/layer.cpp: kPerLayer)
 
 
 class FusedBackend(Protocol):
@@ -241,7 +241,7 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x))
 
     def _fused_weights(self) -> tuple[list, bool]:
-        """Every layer's tensors, flat, in the order of native_kernels.cpp's forward_layers (per layer: input
+        """Every layer's tensors, flat, in the order of kernels/layer.cpp's forward_layers (per layer: input
         norm, qkv, qkv bias, q norm, k norm, o_proj, post-attention norm, gate/up, down; None where the
         architecture has none), and whether the matmul weights are the prepacked copies. Read afresh at
         every forward, so a weight sync or an optimizer step is always seen (stale packed copies are remade

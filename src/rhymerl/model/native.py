@@ -1,10 +1,12 @@
 """Fused CPU kernels for the rollout forward, compiled on first use and cached.
 
-`native_kernels.cpp` (next to this file) turns a decoder layer's ~30 small eager kernels and Python calls
-into two calls around the attention (`pre_attn`, `post_attn`), and the whole layer stack into one call
-(`forward_layers`) when a step's attention is one call per layer; on AVX-512 CPUs decode rows, draft
-trees and short chains get an attention kernel of their own (`tree_attention`), and the sampler's plain
-case (temperature, no top-k or top-p) is a one-pass version of `engine/sampler.py` (`sample_rows`). The engine uses them on a CPU when they
+The C++ files of `kernels/` (next to this file), one library, `torch.ops.rhymerl_native`:
+- `layer.cpp` turns a decoder layer's ~30 small eager kernels and Python calls into two calls around the
+  attention (`pre_attn`, `post_attn`), and the whole layer stack into one call (`forward_layers`) when a
+  step's attention is one call per layer;
+- `tree_attention.cpp`: on AVX-512 CPUs, the attention of decode rows, draft trees and short chains;
+- `sampler.cpp`: the sampler's plain case (temperature, no top-k or top-p), a one-pass version of
+  `engine/sampler.py` (`sample_rows`). The engine uses them on a CPU when they
 build (`Decoder.forward_fused`, `sampler.sample`); the eager code in `decoder.py` and the torch code in
 `sampler.py` stay the reference, the training path and the fallback.
 
@@ -30,7 +32,7 @@ from torch.utils import cpp_extension
 
 from rhymerl.model.fetch import CACHE_DIR
 
-SOURCE = Path(__file__).with_name("native_kernels.cpp")
+KERNELS = Path(__file__).with_name("kernels")
 # at::parallel_for is a header template that only spreads work over threads when the including file is
 # compiled with OpenMP. On Linux the library then resolves libgomp.so.1 to the copy torch has already loaded,
 # so there is one thread pool; elsewhere (Apple's clang has no -fopenmp) the kernels run on one thread.
@@ -56,7 +58,8 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
+    sources = b"".join(path.read_bytes() for path in sorted(KERNELS.iterdir()) if path.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(sources + torch.__version__.encode() + _cpu_flags()
                          + " ".join(CFLAGS + OPENMP).encode()).hexdigest()[:16]
     return CACHE_DIR / "native" / key
 
@@ -79,7 +82,8 @@ def _build():
         print(f"rhymerl: compiling fused CPU kernels into {out} (once, about 15 s)", file=sys.stderr)
     for openmp in ([OPENMP, []] if OPENMP else [[]]):  # without OpenMP (a compiler lacking it): one thread
         try:
-            cpp_extension.load(name="rhymerl_native", sources=[str(SOURCE)], build_directory=str(out),
+            cpp_extension.load(name="rhymerl_native", sources=sorted(str(p) for p in KERNELS.glob("*.cpp")),
+                               build_directory=str(out),
                                extra_cflags=CFLAGS + openmp, extra_ldflags=openmp,
                                is_python_module=False, verbose=False)
             return torch.ops.rhymerl_native

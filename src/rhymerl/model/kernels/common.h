@@ -1,0 +1,69 @@
+// Shared by the fused CPU kernels (rhymerl/model/native.py builds every .cpp of this directory into one
+// library, `torch.ops.rhymerl_native`): bf16 <-> fp32 conversions and an exp that the compiler vectorises,
+// input checks, and the functions one file calls in another.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace rhymerl_native {
+
+using at::Tensor;
+
+// Rows worth a thread each: below this, OpenMP's fork costs more than the loop.
+constexpr int64_t kGrain = 16;
+
+// float <-> T in a form the compiler vectorises: c10's bf16 rounding branches on NaN, which kept every loop
+// that rounds to bf16 scalar. Same results: bf16 is the top half of an fp32, rounded to nearest even, and
+// NaN becomes the canonical 0x7FC0.
+inline float widen(float v) { return v; }
+inline float widen(double v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16); }
+template <typename T>
+inline T narrow(float f) { return static_cast<T>(f); }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(f != f ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+// f rounded to T and back (where the eager code produces a tensor of dtype T).
+template <typename T>
+inline float round_to(float f) { return widen(narrow<T>(f)); }
+
+// exp in a form the compiler vectorises (std::exp is a library call per element, which made SiLU the
+// costliest part of post_attn): x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, and 2^n
+// built in the exponent bits. Within a few ulp of expf on [-87, 88], the range it clamps to.
+inline float exp_approx(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts, so r is exact enough
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  return p * __builtin_bit_cast(float, bits);
+}
+
+inline void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "rhymerl native kernels: ", name,
+              " must be a contiguous CPU tensor");
+}
+
+// tree_attention.cpp
+bool tree_attention_supports(int64_t d, at::ScalarType dtype);
+std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,
+                                     const Tensor& anc);
+
+}  // namespace rhymerl_native

@@ -1,0 +1,247 @@
+// Attention of a forward's small steps (decode rows, draft trees, chains of at most 64 tokens per slot)
+// without padding or mask, for AVX-512 CPUs; elsewhere `tree_attention_supports` is false and every step's
+// attention is SDPA's (engine/model_runner.py decides which groups it gets).
+#include <torch/library.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RHYMERL_TREE_ATTENTION 1
+#include <immintrin.h>
+#endif
+
+namespace rhymerl_native {
+namespace {
+
+#ifdef RHYMERL_TREE_ATTENTION
+
+// 32 elements of a row -> two fp32 vectors. bf16 is the top half of an fp32, so interleaving each value
+// under 16 zero bits widens it; the interleave works per 128-bit lane, which permutes the order (`lo`
+// holds elements 8L..8L+3 of lane L, `hi` 8L+4..8L+7). Dot products and weighted sums do not care, as
+// long as every operand is permuted alike; `widened_index` undoes it for the output. fp32: plain loads.
+inline void widen32(const float* p, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + 16);
+}
+inline void widen32(const c10::BFloat16* p, __m512& lo, __m512& hi) {
+  const __m512i x = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+}
+// A vector as a class type, so that std::vector keeps its 64-byte alignment (a bare __m512 template
+// argument loses its alignment attribute).
+struct alignas(64) Vec {
+  __m512 v;
+};
+
+// Element of the row that lane m of vector v (0 = lo, 1 = hi) of widen32 holds.
+template <typename T>
+constexpr int widened_index(int v, int m) {
+  return std::is_same_v<T, float> ? 16 * v + m : 8 * (m / 4) + 4 * v + m % 4;
+}
+
+// a[0..15] -> one vector whose lane i is the sum of a[i]'s 16 lanes: a transpose-and-add tree (45
+// instructions for 16 dot products, against ~8 each for a horizontal sum apiece).
+inline __m512 sum16x16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i: 0+2, a2i+1: 0+2, a2i: 1+3, a2i+1: 1+3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of a4i .. a4i+3
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  auto fold = [](__m512 x, __m512 y) {  // lanes [x0+x1, x2+x3, y0+y1, y2+y3] (128-bit lanes)
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(c[0], c[1]), fold(c[2], c[3]));
+}
+
+// Attention of the small steps of a forward: decode rows, draft trees and short chains (at most 64 tokens
+// per slot). Token i of slot slots[i] attends to the slot's committed prefix, keys [0, base[i]), and to its
+// tree ancestors and itself, keys base[i] + j for each set bit j of anc[i] (a decode row: base = its
+// position, anc = 1). Each slot is read up to its own length, with no mask and no padding.
+//
+// A work item is a run of consecutive tokens of one slot and one KV head; its queries (tokens x the G query
+// heads of the KV head) share the prefix. fp32 throughout:
+//  1. scores, 16 keys at a time: a block of keys is widened once and used by every query; each query's 16
+//     dot products are summed by one transpose-and-add tree. Then each token's ancestors, as blocks of their
+//     own.
+//  2. softmax of each query's scores (prefix, then ancestors, in position order);
+//  3. the softmax-weighted sum of the values, 16 / (D / 16) queries per pass so that their accumulators
+//     stay in registers; rounded to T at the end.
+// A query's arithmetic depends only on its own keys in position order, so a token verified in a tree and
+// the same token decoded later over the same keys get the same bits.
+template <typename T, int NW>  // NW: 32-element units per head (D = 32 * NW)
+void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slots, const int64_t* base,
+                         const int64_t* anc, int64_t n, int64_t h, int64_t kv, int64_t s_slot, int64_t s_head,
+                         float scale) {
+  constexpr int D = 32 * NW, NV = 2 * NW, GC = 16 / NV;  // head size, vectors per head, queries per value pass
+  const int64_t g = h / kv;
+  std::vector<int64_t> runs;  // token index where each run of one slot starts, then n
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || slots[i] != slots[i - 1] || base[i] != base[i - 1]) runs.push_back(i);
+  runs.push_back(n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1, items = num_runs * kv;
+  // Items in one list per thread of about equal cost (queries x keys), since slots differ in length.
+  std::vector<double> cost(items + 1, 0.0);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t r = it % num_runs, m = runs[r + 1] - runs[r];
+    cost[it + 1] = cost[it] + static_cast<double>(m) * static_cast<double>(base[runs[r]] + m);
+  }
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<Vec> qv;  // the item's queries, widened
+    std::vector<float> scores;
+    alignas(64) __m512 block[16][NV];
+    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+      const int64_t first = std::lower_bound(cost.begin(), cost.end(), cost[items] * chunk / chunks) - cost.begin();
+      const int64_t last = chunk + 1 == chunks ? items
+          : std::lower_bound(cost.begin(), cost.end(), cost[items] * (chunk + 1) / chunks) - cost.begin();
+      for (int64_t it = first; it < last; ++it) {
+        const int64_t r = it % num_runs, j = it / num_runs, i0 = runs[r], m = runs[r + 1] - i0;
+        const int64_t prefix = base[i0], nq = m * g, stride = (prefix + 15) / 16 * 16 + 64;
+        const T* keys = cache + slots[i0] * s_slot + j * s_head;
+        const T* values = cache + slots[i0] * s_slot + (kv + j) * s_head;
+        qv.resize(nq * NV);
+        for (int64_t t = 0; t < m; ++t)  // query (t, gi) is head j * g + gi of token i0 + t
+          for (int64_t e = 0; e < g * NW; ++e)
+            widen32(q + ((i0 + t) * h + j * g) * D + 32 * e, qv[(t * g) * NV + 2 * e].v, qv[(t * g) * NV + 2 * e + 1].v);
+        scores.resize(nq * stride);
+        // 16 dot products of every query qs..qe with the rows in `block`, scaled, stored at column `col`
+        auto score_block = [&](int64_t qs, int64_t qe, int64_t col) {
+          for (int64_t qi = qs; qi < qe; ++qi) {
+            const Vec* qq = qv.data() + qi * NV;
+            __m512 dots[16];
+            for (int k = 0; k < 16; ++k) {
+              dots[k] = _mm512_mul_ps(qq[0].v, block[k][0]);
+              for (int c = 1; c < NV; ++c) dots[k] = _mm512_fmadd_ps(qq[c].v, block[k][c], dots[k]);
+            }
+            _mm512_storeu_ps(scores.data() + qi * stride + col, _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale)));
+          }
+        };
+        auto load_block = [&](auto row_of, int64_t count) {  // rows row_of(0..count-1) of the keys, zero-padded
+          for (int64_t k = 0; k < 16; ++k)
+            for (int w = 0; w < NW; ++w) {
+              if (k < count) widen32(keys + row_of(k) * D + 32 * w, block[k][2 * w], block[k][2 * w + 1]);
+              else block[k][2 * w] = block[k][2 * w + 1] = _mm512_setzero_ps();
+            }
+        };
+        for (int64_t t0 = 0; t0 < prefix; t0 += 16) {  // 1. scores: the shared prefix ...
+          load_block([&](int64_t k) { return t0 + k; }, std::min<int64_t>(16, prefix - t0));
+          score_block(0, nq, t0);
+        }
+        int64_t na[64], pos[64][64];  // ... then each token's ancestors (positions in order)
+        for (int64_t t = 0; t < m; ++t) {
+          na[t] = 0;
+          for (uint64_t bits = static_cast<uint64_t>(anc[i0 + t]); bits; bits &= bits - 1)
+            pos[t][na[t]++] = prefix + __builtin_ctzll(bits);
+          for (int64_t k0 = 0; k0 < na[t]; k0 += 16) {
+            load_block([&](int64_t k) { return pos[t][k0 + k]; }, std::min<int64_t>(16, na[t] - k0));
+            score_block(t * g, (t + 1) * g, prefix + k0);
+          }
+        }
+        float inv_sum[64 * 64];
+        for (int64_t qi = 0; qi < nq; ++qi) {  // 2. softmax, in 16 lanes (a scalar running sum kept it unvectorised)
+          float* sq = scores.data() + qi * stride;
+          const int64_t len = prefix + na[qi / g];
+          __m512 top16 = _mm512_set1_ps(sq[0]);
+          int64_t k = 0;
+          for (; k + 16 <= len; k += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(sq + k));
+          float top = _mm512_reduce_max_ps(top16);
+          for (; k < len; ++k) top = sq[k] > top ? sq[k] : top;
+          for (k = 0; k < len; ++k) sq[k] = exp_approx(sq[k] - top);
+          __m512 sum16 = _mm512_setzero_ps();
+          for (k = 0; k + 16 <= len; k += 16) sum16 = _mm512_add_ps(sum16, _mm512_loadu_ps(sq + k));
+          float sum = _mm512_reduce_add_ps(sum16);
+          for (; k < len; ++k) sum += sq[k];
+          inv_sum[qi] = 1.f / sum;
+        }
+        for (int64_t q0 = 0; q0 < nq; q0 += GC) {  // 3. values
+          const int64_t qc = std::min<int64_t>(GC, nq - q0);
+          __m512 acc[GC][NV];
+          for (int a = 0; a < GC; ++a)
+            for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_setzero_ps();
+          auto add_row = [&](int a, int64_t row, float weight) {
+            __m512 v[NV];
+            for (int w = 0; w < NW; ++w) widen32(values + row * D + 32 * w, v[2 * w], v[2 * w + 1]);
+            const __m512 p = _mm512_set1_ps(weight);
+            for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_fmadd_ps(p, v[c], acc[a][c]);
+          };
+          for (int64_t k = 0; k < prefix; ++k) {
+            __m512 v[NV];
+            for (int w = 0; w < NW; ++w) widen32(values + k * D + 32 * w, v[2 * w], v[2 * w + 1]);
+            for (int a = 0; a < GC; ++a) {
+              if (a >= qc) break;
+              const __m512 p = _mm512_set1_ps(scores[(q0 + a) * stride + k]);
+              for (int c = 0; c < NV; ++c) acc[a][c] = _mm512_fmadd_ps(p, v[c], acc[a][c]);
+            }
+          }
+          for (int a = 0; a < qc; ++a) {
+            const int64_t qi = q0 + a, t = qi / g;
+            for (int64_t k = 0; k < na[t]; ++k) add_row(a, pos[t][k], scores[qi * stride + prefix + k]);
+            alignas(64) float lanes[D];
+            for (int c = 0; c < NV; ++c) _mm512_store_ps(lanes + 16 * c, _mm512_mul_ps(acc[a][c], _mm512_set1_ps(inv_sum[qi])));
+            T* o = out + ((i0 + t) * h + j * g + qi % g) * D;
+            for (int c = 0; c < NV; ++c)
+              for (int u = 0; u < 16; ++u) o[32 * (c / 2) + widened_index<T>(c % 2, u)] = static_cast<T>(lanes[16 * c + u]);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// Whether tree_attention runs for heads of size d in this dtype (else it returns None: use SDPA).
+bool tree_attention_supports(int64_t d, at::ScalarType dtype) {
+#ifdef RHYMERL_TREE_ATTENTION
+  return (d == 64 || d == 128) && (dtype == at::kFloat || dtype == at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// q [N, H, D] -> [N, H, D], or None where the kernel does not take the head size, dtype or CPU. Token i
+// attends to keys [0, base[i]) of slot slot_of[i] in cache [slots, 2KV, capacity, D] and to keys
+// base[i] + j for the set bits j of anc[i] (its ancestors in the step's tree and itself; this step's keys
+// and values already written). A slot's tokens are consecutive and share base.
+std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,
+                                     const Tensor& anc) {
+  check_cpu(q, "q");
+  check_cpu(cache, "cache");
+  const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
+  if (!tree_attention_supports(d, q.scalar_type()) || cache.scalar_type() != q.scalar_type()) return std::nullopt;
+  TORCH_CHECK(h % kv == 0 && h / kv <= 64 && cache.size(-1) == d, "rhymerl native kernels: tree_attention needs "
+              "H a multiple of KV (at most 64 times) and the cache's head size");
+  for (const Tensor* t : {&slot_of, &base, &anc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == n && t->is_contiguous(),
+                "rhymerl native kernels: slot_of, base and anc must be contiguous int64 [N]");
+  Tensor out = at::empty_like(q);
+#ifdef RHYMERL_TREE_ATTENTION
+  auto run = [&](auto type, auto nw) {
+    using T = decltype(type);
+    tree_attention_rows<T, decltype(nw)::value>(
+        q.const_data_ptr<T>(), cache.const_data_ptr<T>(), out.mutable_data_ptr<T>(), slot_of.const_data_ptr<int64_t>(),
+        base.const_data_ptr<int64_t>(), anc.const_data_ptr<int64_t>(), n, h, kv, cache.stride(0), cache.stride(1),
+        static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
+  };
+  auto run_type = [&](auto type) {
+    if (d == 64) run(type, std::integral_constant<int, 2>{});
+    else run(type, std::integral_constant<int, 4>{});
+  };
+  if (q.scalar_type() == at::kFloat) run_type(float{});
+  else run_type(c10::BFloat16{});
+#endif
+  return out;
+}
+
+}  // namespace rhymerl_native
+
+TORCH_LIBRARY_FRAGMENT(rhymerl_native, m) {
+  m.def("tree_attention_supports(int head_dim, ScalarType dtype) -> bool", &rhymerl_native::tree_attention_supports);
+  m.def("tree_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor base, Tensor anc) -> Tensor?",
+        &rhymerl_native::tree_attention);
+}
