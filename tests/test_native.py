@@ -227,3 +227,18 @@ def test_tree_attention_declines_what_it_does_not_take():
     assert not ops.tree_attention_supports(64, torch.float16)
     pos = torch.zeros(1, dtype=torch.long)
     assert ops.tree_attention(torch.zeros(1, 4, 24), torch.zeros(1, 4, 8, 24), pos, pos, pos + 1) is None
+
+
+def test_fp16_on_a_cpu_runs_the_eager_forward():
+    """The kernels take fp32 and bf16 only: an fp16 engine on a CPU must not reach them (it used to fail
+    with '"add_rms_norm" not implemented for Half'), and its logits are the eager forward's."""
+    model = tiny_decoder("llama", torch.float16)
+    c = model.cfg
+    cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, torch.float16, "cpu")
+    runner = ModelRunner(model, cache)
+    assert runner.ops is None
+    prompt = random_prompts(1, seed=4)[0]
+    logits = runner.run([SlotInput(0, 0, prompt)])
+    with torch.no_grad():
+        dense = model(torch.tensor([prompt]))[0].float()
+    torch.testing.assert_close(logits, dense, atol=1e-2, rtol=1e-2)

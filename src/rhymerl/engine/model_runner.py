@@ -240,15 +240,18 @@ class CachedAttention:
 
 
 class ModelRunner:
-    """Runs the engine's forwards. On a CPU it uses the fused kernels of `rhymerl.model.native` when they
-    build (`fused=False` or RHYMERL_NATIVE=0: the eager `forward_packed`)."""
+    """Runs the engine's forwards. On a CPU in fp32 or bf16 it uses the fused kernels of
+    `rhymerl.model.native` when they build (`fused=False`, fp16 or RHYMERL_NATIVE=0: the eager
+    `forward_packed`)."""
 
     def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
         self.model = model
         self.cache = cache
         self.packed = model.enable_packing()  # prepacked bf16 weights on CPU: ~2x faster matmuls
         self.device = next(model.parameters()).device
-        self.ops = native.ops() if fused and self.device.type == "cpu" else None
+        # The kernels are built for fp32 and bf16; fp16 on a CPU runs the eager forward.
+        kernel_dtype = cache.kv.dtype in (torch.float32, torch.bfloat16)
+        self.ops = native.ops() if fused and self.device.type == "cpu" and kernel_dtype else None
         takes_trees = self.ops is not None and self.ops.tree_attention_supports(model.cfg.head_dim, cache.kv.dtype)
         self.tree_attention = self.ops.tree_attention if takes_trees else None
 
