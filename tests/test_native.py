@@ -227,6 +227,15 @@ def test_tree_attention_declines_what_it_does_not_take():
     assert not ops.tree_attention_supports(64, torch.float16)
     pos = torch.zeros(1, dtype=torch.long)
     assert ops.tree_attention(torch.zeros(1, 4, 24), torch.zeros(1, 4, 8, 24), pos, pos, pos + 1) is None
+    if ops.tree_attention_supports(64, torch.float32):  # a slot's run of tokens is at most 64 (its ancestor bits)
+        zeros = torch.zeros(65, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="at most 64 consecutive tokens"):
+            ops.tree_attention(torch.zeros(65, 4, 64), torch.zeros(1, 4, 80, 64), zeros, zeros, zeros + 1)
+        one = torch.ones(1, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="reads outside the cache"):  # key 80 of a cache of 80
+            ops.tree_attention(torch.zeros(1, 4, 64), torch.zeros(1, 4, 80, 64), pos, pos + 80, one)
+        with pytest.raises(RuntimeError, match="reads outside the cache"):  # slot 1 of 1
+            ops.tree_attention(torch.zeros(1, 4, 64), torch.zeros(1, 4, 80, 64), one, pos, one)
 
 
 def test_fp16_on_a_cpu_runs_the_eager_forward():

@@ -83,6 +83,9 @@ void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slot
     if (i == 0 || slots[i] != slots[i - 1] || base[i] != base[i - 1]) runs.push_back(i);
   runs.push_back(n);
   const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1, items = num_runs * kv;
+  for (int64_t r = 0; r < num_runs; ++r)  // a token's ancestors are bits of one int64
+    TORCH_CHECK(runs[r + 1] - runs[r] <= 64, "rhymerl native kernels: tree_attention takes at most 64 consecutive "
+                "tokens of one slot, got ", runs[r + 1] - runs[r]);
   // Items in one list per thread of about equal cost (queries x keys), since slots differ in length.
   std::vector<double> cost(items + 1, 0.0);
   for (int64_t it = 0; it < items; ++it) {
@@ -219,6 +222,16 @@ std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const
   for (const Tensor* t : {&slot_of, &base, &anc})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == n && t->is_contiguous(),
                 "rhymerl native kernels: slot_of, base and anc must be contiguous int64 [N]");
+  const int64_t* slots = slot_of.const_data_ptr<int64_t>();
+  const int64_t* bases = base.const_data_ptr<int64_t>();
+  const int64_t* bits = anc.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // every key read lies in the cache
+    const uint64_t a = static_cast<uint64_t>(bits[i]);
+    TORCH_CHECK(0 <= slots[i] && slots[i] < cache.size(0) && bases[i] >= 0 && a != 0 &&
+                    bases[i] + 64 - __builtin_clzll(a) <= cache.size(2),
+                "rhymerl native kernels: tree_attention token ", i, " reads outside the cache (slot ", slots[i],
+                ", base ", bases[i], ")");
+  }
   Tensor out = at::empty_like(q);
 #ifdef RHYMERL_TREE_ATTENTION
   auto run = [&](auto type, auto nw) {
