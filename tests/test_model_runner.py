@@ -59,7 +59,7 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3]
 PATHS = [[0, 1, 3, 6], [0, 1, 4], [0, 2, 5]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-d64"])  # d64: the fused tree attention
 def test_draft_tree_matches_each_path_run_alone(make_runner, arch):
     model, runner = make_runner(arch)
     prompt = random_prompts(1, lo=6, hi=6, seed=7)[0]
@@ -75,8 +75,9 @@ def test_draft_tree_matches_each_path_run_alone(make_runner, arch):
     torch.testing.assert_close(logits[-1], dense_logits(model, other)[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_commit_keeps_the_chosen_path(make_runner):
-    model, runner = make_runner()
+@pytest.mark.parametrize("arch", ["llama", "llama-d64"])
+def test_commit_keeps_the_chosen_path(make_runner, arch):
+    model, runner = make_runner(arch)
     prompt = random_prompts(1, lo=5, hi=5, seed=9)[0]
     tree = [prompt[-1], 21, 31, 41, 51, 61, 71]
     base = len(prompt) - 1

@@ -63,6 +63,15 @@ def _bucket(n: int, tree_kernel: bool) -> int:
     return 0 if n <= (TREE_STEP if tree_kernel else SMALL_STEP) else min((n - 1).bit_length(), 7)
 
 
+def _token_index(token_offsets: list[int], ns: list[int], num_tokens: int, device) -> torch.Tensor | None:
+    """Packed index of each of a group's tokens (slots with ns tokens each, from token_offsets), or None when
+    they are all of the step's tokens, in order."""
+    index = np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])
+    if len(index) == num_tokens and bool((index == np.arange(num_tokens)).all()):
+        return None
+    return torch.from_numpy(index).to(device)
+
+
 class _TreeGroup:
     """Slots of at most TREE_STEP tokens each, attended by the fused kernels' `tree_attention`: per token,
     the slot's committed length (`base`) and a bitmask of its tree ancestors and itself (`anc`, bit j =
@@ -70,9 +79,7 @@ class _TreeGroup:
 
     def __init__(self, inputs: list[SlotInput], token_offsets: list[int], trees: list, device, num_tokens: int):
         ns = [len(x.tokens) for x in inputs]
-        token_index = np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])
-        in_order = len(token_index) == num_tokens and bool((token_index == np.arange(num_tokens)).all())
-        self.token_index = None if in_order else torch.from_numpy(token_index).to(device)
+        self.token_index = _token_index(token_offsets, ns, num_tokens, device)
         anc = []
         for n, (matrix, _) in zip(ns, trees):
             if matrix is None:  # a single token: itself
@@ -107,11 +114,9 @@ class _Group:
             self.rows, row_of, self.b = slice(lo, hi), [s - lo for s in slots], hi - lo
         else:
             self.rows, row_of, self.b = torch.tensor(slots, device=device), list(range(len(slots))), len(slots)
-        # Packed index of each of the group's tokens (None: all of the step's tokens, in order), and its
-        # (row, position) in the dense query layout (None: one token per row, every row: a plain view).
-        token_index = np.concatenate([off + np.arange(n) for off, n in zip(token_offsets, ns)])
-        in_order = len(token_index) == num_tokens and bool((token_index == np.arange(num_tokens)).all())
-        self.token_index = None if in_order else torch.from_numpy(token_index).to(device)
+        # Packed index of each of the group's tokens, and its (row, position) in the dense query layout
+        # (None: one token per row, every row: a plain view).
+        self.token_index = _token_index(token_offsets, ns, num_tokens, device)
         self.dense = None
         if not (self.t == 1 and self.b == len(slots)):
             rows = np.repeat(row_of, ns)

@@ -54,7 +54,7 @@ class FusedBackend(Protocol):
 
     def one_call_args(self) -> tuple | None:
         """(cache [layers, slots, 2*KV, capacity, D], the attention arguments of the `forward_layers`
-        kernel) when the step's attention is a single SDPA call in every layer, else None."""
+        kernel) when the step's attention is a single call in every layer, else None."""
         ...
 
 
@@ -268,9 +268,10 @@ class Decoder(nn.Module):
         logit_rows: torch.Tensor | None = None,  # [R] rows that need logits (None: all)
     ) -> torch.Tensor:  # [R, vocab]
         """`forward_packed` for rollout on a CPU, through the fused kernels of `rhymerl.model.native`: one
-        call for the whole layer stack when the step's attention is one SDPA call per layer (the usual
-        step), else two calls per layer around the backend's attention; ~30 eager kernels per layer either
-        way. Same arithmetic up to the summation order of RMSNorm and the exp of SiLU. The residual stream
+        call for the whole layer stack when the step's attention is one call per layer (the usual step),
+        else two calls per layer around the backend's attention; ~30 eager kernels per layer either way.
+        Same formulas; the rounding differs in the summation order of RMSNorm and attention and in the exp
+        of SiLU and softmax. The residual stream
         is carried as (x, r) with the previous layer's MLP output r not yet added: each pre_attn (and the
         final norm) adds it while normalising."""
         x, r, eps = self.embed_tokens(tokens), None, self.cfg.rms_norm_eps

@@ -6,9 +6,10 @@ The C++ files of `kernels/` (next to this file), one library, `torch.ops.rhymerl
   step's attention is one call per layer;
 - `tree_attention.cpp`: on AVX-512 CPUs, the attention of decode rows, draft trees and short chains;
 - `sampler.cpp`: the sampler's plain case (temperature, no top-k or top-p), a one-pass version of
-  `engine/sampler.py` (`sample_rows`). The engine uses them on a CPU when they
-build (`Decoder.forward_fused`, `sampler.sample`); the eager code in `decoder.py` and the torch code in
-`sampler.py` stay the reference, the training path and the fallback.
+  `engine/sampler.py` (`sample_rows`).
+
+The engine uses them on a CPU when they build (`Decoder.forward_fused`, `sampler.sample`); the eager code
+in `decoder.py` and the torch code in `sampler.py` stay the reference, the training path and the fallback.
 
 Building needs a C++ compiler and takes about 15 s, once; the library is cached under
 `$RHYMERL_CACHE/native/<hash of source, torch version, CPU and compiler flags>`. Where it cannot be built
@@ -37,9 +38,10 @@ KERNELS = Path(__file__).with_name("kernels")
 # compiled with OpenMP. On Linux the library then resolves libgomp.so.1 to the copy torch has already loaded,
 # so there is one thread pool; elsewhere (Apple's clang has no -fopenmp) the kernels run on one thread.
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
-# Built for this CPU. On x86, loops the compiler vectorises use 512-bit registers where the CPU has them (GCC
-# otherwise stops at 256 bits): the sampler's exp over the vocabulary runs ~1.4x faster.
-CFLAGS = ["-O3", "-march=native"] + (["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])
+# Built for this CPU. On x86, the loops the compiler vectorises (the sampler's exp over the vocabulary, SiLU)
+# use 512-bit registers where the CPU has them; GCC otherwise stops at 256 bits.
+X86 = platform.machine() in ("x86_64", "AMD64")
+CFLAGS = ["-O3", "-march=native", *(["-mprefer-vector-width=512"] if X86 else []), *OPENMP]
 _loaded: dict[str, object] = {}
 
 
@@ -60,7 +62,7 @@ def _cpu_flags() -> bytes:
 def build_dir() -> Path:
     sources = b"".join(path.read_bytes() for path in sorted(KERNELS.iterdir()) if path.suffix in (".cpp", ".h"))
     key = hashlib.sha256(sources + torch.__version__.encode() + _cpu_flags()
-                         + " ".join(CFLAGS + OPENMP).encode()).hexdigest()[:16]
+                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return CACHE_DIR / "native" / key
 
 
@@ -80,17 +82,14 @@ def _build():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     if not any(out.glob("*.so")):
         print(f"rhymerl: compiling fused CPU kernels into {out} (once, about 15 s)", file=sys.stderr)
-    for openmp in ([OPENMP, []] if OPENMP else [[]]):  # without OpenMP (a compiler lacking it): one thread
-        try:
-            cpp_extension.load(name="rhymerl_native", sources=sorted(str(p) for p in KERNELS.glob("*.cpp")),
-                               build_directory=str(out),
-                               extra_cflags=CFLAGS + openmp, extra_ldflags=openmp,
-                               is_python_module=False, verbose=False)
-            return torch.ops.rhymerl_native
-        except Exception as e:  # no compiler, no ninja, a platform the source does not build on
-            error = e
-    lines = str(error).strip().splitlines() or [""]
-    reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
-    warnings.warn(f"rhymerl: fused CPU kernels unavailable (they need a C++ compiler), using the eager "
-                  f"forward ({type(error).__name__}: {reason.strip()}; build directory {out})", stacklevel=3)
-    return None
+    try:
+        cpp_extension.load(name="rhymerl_native", sources=sorted(str(p) for p in KERNELS.glob("*.cpp")),
+                           build_directory=str(out), extra_cflags=CFLAGS, extra_ldflags=OPENMP,
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler (or no OpenMP in it), no ninja, a platform the source does not build on
+        lines = str(e).strip().splitlines() or [""]
+        reason = next((line for line in lines if "error:" in line.lower()), lines[-1])  # the compiler's line
+        warnings.warn(f"rhymerl: fused CPU kernels unavailable (they need a C++ compiler with OpenMP), using the "
+                      f"eager forward ({type(e).__name__}: {reason.strip()}; build directory {out})", stacklevel=3)
+        return None
+    return torch.ops.rhymerl_native
