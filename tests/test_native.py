@@ -9,11 +9,13 @@ import torch
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import CachedAttention, ModelRunner, SlotInput
 from rhymerl.model import native
-from rhymerl.model.decoder import apply_rope, rope_tables
+from rhymerl.model.decoder import ONEDNN, PLAIN, TILES, apply_rope, rope_tables
 from tiny_models import random_prompts, tiny_decoder
 
 ops = native.ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="fused CPU kernels unavailable here (no C++ compiler?)")
+needs_tiles = pytest.mark.skipif(ops is None or not ops.tile_linear_supported(),
+                                 reason="no AMX-BF16 tiles on this CPU (or no fused kernels)")
 
 # bf16 results may differ from eager by a rounding of the RMSNorm mean's summation order or of SiLU's exp.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -24,12 +26,21 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_layer_kernels_match_the_eager_layer(arch, dtype):
     model = tiny_decoder(arch, dtype)
-    packed = model.enable_packing()
+    layout = ONEDNN if model.enable_packing() else PLAIN
     with torch.inference_mode():
-        check_layer(model, packed, dtype)
+        check_layer(model, layout, dtype, lambda lin: lin.inference_weight()[0])
 
 
-def check_layer(model, packed, dtype):
+@needs_tiles
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_layer_kernels_on_amx_tiles_match_the_eager_layer(arch):
+    model = tiny_decoder(arch, torch.bfloat16)
+    assert model.tiles_fit()
+    with torch.inference_mode():
+        check_layer(model, TILES, torch.bfloat16, lambda lin: lin.tiles(ops.pack_tiles))
+
+
+def check_layer(model, layout, dtype, weight):
     layer, cfg = model.layers[1], model.cfg
     attn, h, kv, d = layer.self_attn, layer.self_attn.h, layer.self_attn.kv, layer.self_attn.d
     g = torch.Generator().manual_seed(0)
@@ -39,9 +50,7 @@ def check_layer(model, packed, dtype):
     slot_of, write_pos = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([3, 4, 9, 0, 7])
     cos, sin = rope_tables(positions, model.inv_freq, dtype)
     cache = torch.zeros(3, 2 * kv, 12, d, dtype=dtype)
-    qkv_w, is_packed = attn.qkv_proj.inference_weight()
-    assert is_packed == packed
-    s, q = ops.pre_attn(x, r, layer.input_layernorm.weight, qkv_w, attn.qkv_proj.bias, is_packed,
+    s, q = ops.pre_attn(x, r, layer.input_layernorm.weight, weight(attn.qkv_proj), attn.qkv_proj.bias, layout,
                         attn.q_norm.weight if attn.q_norm is not None else None,
                         attn.k_norm.weight if attn.k_norm is not None else None,
                         cos, sin, cache, slot_of, write_pos, h, kv, cfg.rms_norm_eps)
@@ -62,9 +71,8 @@ def check_layer(model, packed, dtype):
     assert not cache.permute(0, 2, 1, 3)[untouched].any()  # nothing else in the cache was written
 
     out = torch.randn(n, h * d, generator=g).to(dtype)
-    s2, mlp_out = ops.post_attn(out, s, attn.o_proj.inference_weight()[0], layer.post_attention_layernorm.weight,
-                                layer.mlp.gate_up_proj.inference_weight()[0],
-                                layer.mlp.down_proj.inference_weight()[0], is_packed, cfg.rms_norm_eps)
+    s2, mlp_out = ops.post_attn(out, s, weight(attn.o_proj), layer.post_attention_layernorm.weight,
+                                weight(layer.mlp.gate_up_proj), weight(layer.mlp.down_proj), layout, cfg.rms_norm_eps)
     s2_ref = s_ref + attn.o_proj(out)
     torch.testing.assert_close(s2, s2_ref, **TOL[dtype])
     torch.testing.assert_close(mlp_out, layer.mlp(layer.post_attention_layernorm(s2_ref)), **TOL[dtype])
@@ -251,3 +259,63 @@ def test_fp16_on_a_cpu_runs_the_eager_forward():
     with torch.no_grad():
         dense = model(torch.tensor([prompt]))[0].float()
     torch.testing.assert_close(logits, dense, atol=1e-2, rtol=1e-2)
+
+
+@needs_tiles
+@pytest.mark.parametrize("m,n,k,bias", [(1, 64, 64, False), (17, 160, 80, True), (33, 16, 32, False),
+                                        (5, 48, 100, True), (70, 96, 576, False), (40, 960, 576, True)])
+def test_tile_linear_against_a_float_reference(m, n, k, bias):
+    """Odd row counts, K not a multiple of 32, an odd number of 16-column blocks, a bias: every element is
+    the fp32 sum of the bf16 products (+ bias) rounded once to bf16, up to fp32 summation order; and a row
+    gets the same bits alone as in a batch (a verified and a decoded token see the same matmuls)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    tiles = ops.pack_tiles(w)
+    y = ops.tile_linear(x, tiles, b)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # one bf16 rounding (2^-8 relative) plus the fp32 summation order
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-4 * k).all()
+    for i in (0, m - 1):
+        assert torch.equal(ops.tile_linear(x[i : i + 1].contiguous(), tiles, b)[0], y[i])
+    assert torch.equal(ops.linear(x, tiles, b, TILES), y)
+    assert torch.equal(ops.tile_linear(x.t().contiguous().t(), tiles, b), y)  # a strided x is read as well
+
+
+@needs_tiles
+def test_tile_linear_rejects_what_it_cannot_multiply():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_tiles(torch.randn(24, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.pack_tiles(w.float())
+    with pytest.raises(RuntimeError, match="K matching"):
+        ops.tile_linear(torch.randn(3, 100).to(torch.bfloat16), ops.pack_tiles(w), None)
+    with pytest.raises(RuntimeError, match="unknown weight layout"):
+        ops.linear(torch.randn(3, 64).to(torch.bfloat16), w, None, 7)
+
+
+@needs_tiles
+def test_tile_copies_follow_the_weight():
+    """A weight sync or optimizer step changes the parameter in place: the next forward repacks its tiles."""
+    model = tiny_decoder("llama", torch.bfloat16)
+    lin = model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = ops.tile_linear(x, lin.tiles(ops.pack_tiles), None)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        after = ops.tile_linear(x, lin.tiles(ops.pack_tiles), None)
+    assert torch.equal(after, (2 * before.float()).to(torch.bfloat16))  # x2 is exact in binary floating point
+
+
+@needs_tiles
+def test_the_engine_multiplies_on_tiles_in_bf16_only():
+    for dtype, tiles in ((torch.bfloat16, True), (torch.float32, False)):
+        model = tiny_decoder("llama-d64", dtype)
+        c = model.cfg
+        cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, dtype, "cpu")
+        assert ModelRunner(model, cache).tiles == tiles

@@ -252,13 +252,15 @@ class ModelRunner:
     def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
         self.model = model
         self.cache = cache
-        self.packed = model.enable_packing()  # prepacked bf16 weights on CPU: ~2x faster matmuls
+        self.packed = model.enable_packing()  # oneDNN prepacked weights on CPU (the eager path and fp32)
         self.device = next(model.parameters()).device
         # The kernels are built for fp32 and bf16; fp16 on a CPU runs the eager forward.
         kernel_dtype = cache.kv.dtype in (torch.float32, torch.bfloat16)
         self.ops = native.ops() if fused and self.device.type == "cpu" and kernel_dtype else None
         takes_trees = self.ops is not None and self.ops.tree_attention_supports(model.cfg.head_dim, cache.kv.dtype)
         self.tree_attention = self.ops.tree_attention if takes_trees else None
+        # bf16 matmuls on AMX tiles where the CPU has them (kernels/tile_linear.cpp), else oneDNN's.
+        self.tiles = self.ops is not None and self.ops.tile_linear_supported() and model.tiles_fit()
 
     @torch.inference_mode()
     def run(self, inputs: list[SlotInput], float_logits: bool = True) -> torch.Tensor:
@@ -281,7 +283,7 @@ class ModelRunner:
         logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
         backend = CachedAttention(self.cache, inputs, trees, dev, self.model.cfg.num_heads, self.tree_attention)
         if self.ops is not None:
-            logits = self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows)
+            logits = self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows, self.tiles)
         else:
             logits = self.model.forward_packed(tokens_t, positions_t, backend, logit_rows)
         return logits.float() if float_logits else logits

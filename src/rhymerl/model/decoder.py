@@ -37,6 +37,10 @@ class AttentionBackend(Protocol):
 
 
 FUSED_PER_LAYER = 9  # tensors per layer in Decoder._fused_weights (kernels/layer.cpp: kPerLayer)
+# How the fused kernels' matmul weights are stored (kernels/common.h): the parameter itself, oneDNN's
+# prepacked copy, or the AMX tile copy of kernels/tile_linear.cpp.
+PLAIN, ONEDNN, TILES = 0, 1, 2
+TILE_COLUMNS = 16  # pack_tiles takes weights whose out_features are a multiple of this
 
 
 class FusedBackend(Protocol):
@@ -80,6 +84,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     _packed_from: tuple = ()
+    _tiles: torch.Tensor | None = None
+    _tiles_from: tuple = ()
 
     def enable_packing(self) -> bool:
         self._packed_from = ()
@@ -95,6 +101,16 @@ class Linear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
             self._packed_from = key
         return self.packed, True
+
+    def tiles(self, pack) -> torch.Tensor:
+        """The weight in the fused kernels' AMX tile layout (`pack` is their `pack_tiles`), repacked first if it
+        is stale, like `inference_weight`. Kept apart from the oneDNN copy, so the engine (tiles) and an eager
+        forward (oneDNN) in the same process do not repack each other's copy at every call."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._tiles_from:
+            self._tiles = pack(self.weight.detach())
+            self._tiles_from = key
+        return self._tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or torch.is_grad_enabled():
@@ -240,23 +256,32 @@ class Decoder(nn.Module):
             x = x[logit_rows]  # the lm_head is a fifth of a small model: only pay for rows we sample
         return self.lm_head(self.norm(x))
 
-    def _fused_weights(self) -> tuple[list, bool]:
+    def tiles_fit(self) -> bool:
+        """Whether every matmul weight can take the AMX tile layout (bf16, out_features a multiple of 16)."""
+        return all(m.weight.dtype == torch.bfloat16 and m.out_features % TILE_COLUMNS == 0
+                   for m in self.modules() if isinstance(m, Linear))
+
+    def _fused_weights(self, pack_tiles=None) -> tuple[list, torch.Tensor, int]:
         """Every layer's tensors, flat, in the order of kernels/layer.cpp's forward_layers (per layer: input
         norm, qkv, qkv bias, q norm, k norm, o_proj, post-attention norm, gate/up, down; None where the
-        architecture has none), and whether the matmul weights are the prepacked copies. Read afresh at
-        every forward, so a weight sync or an optimizer step is always seen (stale packed copies are remade
-        by `Linear.inference_weight`); only the modules are looked up once."""
+        architecture has none), the lm_head's weight, and the matmul weights' layout: the AMX tile copies
+        when `pack_tiles` is given, else the oneDNN prepacked copies where there are some. Read afresh at
+        every forward, so a weight sync or an optimizer step is always seen (stale copies are remade by
+        `Linear.tiles` and `Linear.inference_weight`); only the modules are looked up once."""
         if self._fused_modules is None:
             self._fused_modules = [(b.input_layernorm, b.self_attn.qkv_proj, b.self_attn.q_norm, b.self_attn.k_norm,
                                     b.self_attn.o_proj, b.post_attention_layernorm, b.mlp.gate_up_proj,
                                     b.mlp.down_proj) for b in self.layers]
-        out, packed = [], False
+        if pack_tiles is not None:
+            layout, weight = TILES, lambda lin: lin.tiles(pack_tiles)
+        else:
+            layout, weight = ONEDNN if self.lm_head.packed is not None else PLAIN, lambda lin: lin.inference_weight()[0]
+        out = []
         for norm1, qkv, q_norm, k_norm, o, norm2, gate_up, down in self._fused_modules:
-            qkv_w, packed = qkv.inference_weight()
-            out += [norm1.weight, qkv_w, qkv.bias, q_norm.weight if q_norm is not None else None,
-                    k_norm.weight if k_norm is not None else None, o.inference_weight()[0], norm2.weight,
-                    gate_up.inference_weight()[0], down.inference_weight()[0]]
-        return out, packed
+            out += [norm1.weight, weight(qkv), qkv.bias, q_norm.weight if q_norm is not None else None,
+                    k_norm.weight if k_norm is not None else None, weight(o), norm2.weight, weight(gate_up),
+                    weight(down)]
+        return out, weight(self.lm_head), layout
 
     @torch.inference_mode()
     def forward_fused(
@@ -266,6 +291,7 @@ class Decoder(nn.Module):
         backend: FusedBackend,
         ops,  # rhymerl.model.native.ops(): the fused CPU kernels
         logit_rows: torch.Tensor | None = None,  # [R] rows that need logits (None: all)
+        tiles: bool = False,  # matmuls on AMX tiles (ops.tile_linear_supported() and self.tiles_fit())
     ) -> torch.Tensor:  # [R, vocab]
         """`forward_packed` for rollout on a CPU, through the fused kernels of `rhymerl.model.native`: one
         call for the whole layer stack when the step's attention is one call per layer (the usual step),
@@ -277,22 +303,22 @@ class Decoder(nn.Module):
         x, r, eps = self.embed_tokens(tokens), None, self.cfg.rms_norm_eps
         cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         h, kv = self.cfg.num_heads, self.cfg.num_kv_heads
-        weights, packed = self._fused_weights()
+        weights, lm_head, layout = self._fused_weights(ops.pack_tiles if tiles else None)
         one_call = backend.one_call_args()
         if one_call is not None:  # the usual step: the whole layer stack in one call, no Python between layers
             cache, attention = one_call
-            x, r = ops.forward_layers(x, weights, packed, cos, sin, cache, backend.slot_of, backend.write_pos, h, kv,
+            x, r = ops.forward_layers(x, weights, layout, cos, sin, cache, backend.slot_of, backend.write_pos, h, kv,
                                       eps, *attention)
         else:
             for i in range(len(self.layers)):
                 w = weights[FUSED_PER_LAYER * i : FUSED_PER_LAYER * (i + 1)]
-                x, q = ops.pre_attn(x, r, w[0], w[1], w[2], packed, w[3], w[4], cos, sin, backend.cache_layer(i),
+                x, q = ops.pre_attn(x, r, w[0], w[1], w[2], layout, w[3], w[4], cos, sin, backend.cache_layer(i),
                                     backend.slot_of, backend.write_pos, h, kv, eps)
                 out = backend.attend_written(i, q)  # [N, H, D]
-                x, r = ops.post_attn(out.reshape(out.shape[0], -1), x, w[5], w[6], w[7], w[8], packed, eps)
+                x, r = ops.post_attn(out.reshape(out.shape[0], -1), x, w[5], w[6], w[7], w[8], layout, eps)
         if logit_rows is not None:
             x, r = x[logit_rows], r[logit_rows]
-        return self.lm_head(ops.add_rms_norm(x, r, self.norm.weight, eps)[1])
+        return ops.linear(ops.add_rms_norm(x, r, self.norm.weight, eps)[1], lm_head, self.lm_head.bias, layout)
 
     def forward(
         self,

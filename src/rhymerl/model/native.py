@@ -4,6 +4,8 @@ The C++ files of `kernels/` (next to this file), one library, `torch.ops.rhymerl
 - `layer.cpp` turns a decoder layer's ~30 small eager kernels and Python calls into two calls around the
   attention (`pre_attn`, `post_attn`), and the whole layer stack into one call (`forward_layers`) when a
   step's attention is one call per layer;
+- `tile_linear.cpp`: on CPUs with AMX-BF16 tiles (Linux, x86), the bf16 matmuls, with the weights packed
+  once into the tile layout (`pack_tiles`); elsewhere the matmuls are oneDNN's;
 - `tree_attention.cpp`: on AVX-512 CPUs, the attention of decode rows, draft trees and short chains;
 - `sampler.cpp`: the sampler's plain case (temperature, no top-k or top-p), a one-pass version of
   `engine/sampler.py` (`sample_rows`).

@@ -61,6 +61,15 @@ inline void check_cpu(const Tensor& t, const char* name) {
               " must be a contiguous CPU tensor");
 }
 
+// layer.cpp: y = x W^T + b, the weight in one of these layouts (Decoder._fused_weights says which).
+constexpr int64_t kPlain = 0, kOneDnn = 1, kTiles = 2;
+Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, int64_t layout);
+
+// tile_linear.cpp
+bool tile_linear_supported();
+Tensor pack_tiles(const Tensor& w);
+Tensor tile_linear(const Tensor& x, const Tensor& tiles, const std::optional<Tensor>& bias);
+
 // tree_attention.cpp
 bool tree_attention_supports(int64_t d, at::ScalarType dtype);
 std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,

@@ -6,11 +6,11 @@
 // `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul). When a step's
 // attention is one call per layer (every decode row and draft tree of the step in one group, the
 // usual step), `forward_layers` runs the whole stack, attention included, without returning to Python.
-// The matmuls stay oneDNN's (prepacked weights). On AVX-512 CPUs, the attention of decode rows, draft
-// trees and short chains is tree_attention.cpp's, which reads each slot to its own length: SDPA pads every
-// slot to the step's longest context and largest tree behind a mask, and for a few queries costs more in
-// set-up than in arithmetic. Longer prefill chunks, and every step elsewhere, go through SDPA's CPU flash
-// kernel.
+// The matmuls are tile_linear.cpp's on CPUs with AMX tiles, else oneDNN's (prepacked weights). On AVX-512
+// CPUs, the attention of decode rows, draft trees and short chains is tree_attention.cpp's, which reads each
+// slot to its own length: SDPA pads every slot to the step's longest context and largest tree behind a mask,
+// and for a few queries costs more in set-up than in arithmetic. Longer prefill chunks, and every step
+// elsewhere, go through SDPA's CPU flash kernel.
 //
 // Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
 // produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
@@ -21,17 +21,21 @@
 #include "common.h"
 
 namespace rhymerl_native {
-namespace {
 
-// y = W x + b with the weight prepacked by oneDNN (mkldnn::_reorder_linear_weight), or a plain weight.
-Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, bool packed) {
-  if (!packed) return at::linear(x, w, b);
+// y = W x + b with the weight as `layout` says: kPlain, kOneDnn (prepacked by mkldnn::_reorder_linear_weight)
+// or kTiles (pack_tiles, tile_linear.cpp).
+Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, int64_t layout) {
+  TORCH_CHECK(layout == kPlain || layout == kOneDnn || layout == kTiles, "linear: unknown weight layout ", layout);
+  if (layout == kPlain) return at::linear(x, w, b);
+  if (layout == kTiles) return tile_linear(x, w, b);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
                                      c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
   return op.call(x, w, b, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
+
+namespace {
 
 // Sum of squares of n floats, in 16 lanes so that the loop vectorises.
 inline float sum_squares(const float* v, int64_t n) {
@@ -150,7 +154,7 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const std::optional<Ten
 // MLP output (None for the first layer). Writes the new keys/values into cache [slots, 2KV, capacity, D]
 // at (slot_of[i], write_pos[i]) and returns (s = x + r, q [N, H, D]).
 std::tuple<Tensor, Tensor> pre_attn(const Tensor& x, const std::optional<Tensor>& r, const Tensor& norm_w,
-                                    const Tensor& qkv_w, const std::optional<Tensor>& qkv_b, bool packed,
+                                    const Tensor& qkv_w, const std::optional<Tensor>& qkv_b, int64_t layout,
                                     const std::optional<Tensor>& q_norm, const std::optional<Tensor>& k_norm,
                                     const Tensor& cos, const Tensor& sin, Tensor cache, const Tensor& slot_of,
                                     const Tensor& write_pos, int64_t h, int64_t kv, double eps) {
@@ -160,7 +164,7 @@ std::tuple<Tensor, Tensor> pre_attn(const Tensor& x, const std::optional<Tensor>
   TORCH_CHECK(slot_of.scalar_type() == at::kLong && write_pos.scalar_type() == at::kLong,
               "rhymerl native kernels: slot_of and write_pos must be int64");
   auto [s, y] = add_rms_norm(x, r, norm_w, eps);
-  Tensor qkv = linear(y, qkv_w, qkv_b, packed).contiguous();
+  Tensor qkv = linear(y, qkv_w, qkv_b, layout).contiguous();
   const int64_t d = cache.size(-1);
   TORCH_CHECK(qkv.size(1) == (h + 2 * kv) * d, "rhymerl native kernels: qkv width ", qkv.size(1), " != (H + 2KV) * D");
   Tensor q = at::empty({x.size(0), h, d}, x.options());
@@ -173,16 +177,16 @@ std::tuple<Tensor, Tensor> pre_attn(const Tensor& x, const std::optional<Tensor>
 // Everything of a decoder layer after attention. attn: [N, H*D], s: the residual stream. Returns
 // (s + o_proj(attn), mlp output); the next layer's pre_attn (or the final norm) adds the two.
 std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const Tensor& o_w, const Tensor& norm_w,
-                                     const Tensor& gate_up_w, const Tensor& down_w, bool packed, double eps) {
-  Tensor o = linear(attn, o_w, std::nullopt, packed).contiguous();
+                                     const Tensor& gate_up_w, const Tensor& down_w, int64_t layout, double eps) {
+  Tensor o = linear(attn, o_w, std::nullopt, layout).contiguous();
   auto [s2, y] = add_rms_norm(s, o, norm_w, eps);
-  Tensor gu = linear(y, gate_up_w, std::nullopt, packed).contiguous();
+  Tensor gu = linear(y, gate_up_w, std::nullopt, layout).contiguous();
   const int64_t inter = gu.size(1) / 2, n = gu.size(0);
   Tensor act = at::empty({n, inter}, gu.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "silu_mul", [&] {
     silu_mul_rows<scalar_t>(gu.const_data_ptr<scalar_t>(), act.mutable_data_ptr<scalar_t>(), n, inter);
   });
-  return {s2, linear(act, down_w, std::nullopt, packed)};
+  return {s2, linear(act, down_w, std::nullopt, layout)};
 }
 
 // Attention of a step whose tokens form one slot group (engine/model_runner.py: _Group and
@@ -227,7 +231,7 @@ Tensor group_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_
 // slots, source slots, length), done in each layer after its keys/values are written. Returns (x, r) as
 // pre_attn/post_attn do: the residual stream and the last MLP output, not yet added.
 std::tuple<Tensor, Tensor> forward_layers(
-    Tensor x, const c10::List<std::optional<Tensor>>& weights, bool packed, const Tensor& cos, const Tensor& sin,
+    Tensor x, const c10::List<std::optional<Tensor>>& weights, int64_t layout, const Tensor& cos, const Tensor& sin,
     const Tensor& cache, const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, double eps,
     const std::optional<Tensor>& tree_base, const std::optional<Tensor>& tree_anc, const std::optional<Tensor>& rows,
     int64_t lo, int64_t hi, int64_t l, const std::optional<Tensor>& mask, int64_t fold,
@@ -241,7 +245,7 @@ std::tuple<Tensor, Tensor> forward_layers(
   for (int64_t i = 0; i < layers; ++i) {
     auto w = [&](int64_t j) -> std::optional<Tensor> { return weights.get(i * kPerLayer + j); };
     Tensor layer_cache = cache.select(0, i);
-    auto [s, q] = pre_attn(x, r, *w(0), *w(1), w(2), packed, w(3), w(4), cos, sin, layer_cache, slot_of, write_pos,
+    auto [s, q] = pre_attn(x, r, *w(0), *w(1), w(2), layout, w(3), w(4), cos, sin, layer_cache, slot_of, write_pos,
                            h, kv, eps);
     for (size_t j = 0; j < share_dst.size(); ++j) {
       Tensor prefix = layer_cache.narrow(2, 0, share_len[j]);
@@ -249,7 +253,7 @@ std::tuple<Tensor, Tensor> forward_layers(
     }
     Tensor out = group_attention(q, layer_cache, slot_of, tree_base, tree_anc, rows, lo, hi, l, mask, fold,
                                  dense_rows, dense_cols, b, t);
-    std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), packed, eps);
+    std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), layout, eps);
   }
   return {x, *r};
 }
@@ -263,18 +267,19 @@ using namespace rhymerl_native;
 // tensors, and the kernels are called under inference mode only, so no autograd formula is needed. The
 // other files add their ops to this library (TORCH_LIBRARY_FRAGMENT).
 TORCH_LIBRARY(rhymerl_native, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b, int layout) -> Tensor", &rhymerl_native::linear);
   m.def("add_rms_norm(Tensor x, Tensor? r, Tensor w, float eps) -> (Tensor, Tensor)", &add_rms_norm);
   m.def(
-      "pre_attn(Tensor x, Tensor? r, Tensor norm_w, Tensor qkv_w, Tensor? qkv_b, bool packed, Tensor? q_norm, "
+      "pre_attn(Tensor x, Tensor? r, Tensor norm_w, Tensor qkv_w, Tensor? qkv_b, int layout, Tensor? q_norm, "
       "Tensor? k_norm, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor slot_of, Tensor write_pos, int h, int kv, "
       "float eps) -> (Tensor, Tensor)",
       &pre_attn);
   m.def(
-      "post_attn(Tensor attn, Tensor s, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, bool packed, "
+      "post_attn(Tensor attn, Tensor s, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, int layout, "
       "float eps) -> (Tensor, Tensor)",
       &post_attn);
   m.def(
-      "forward_layers(Tensor x, Tensor?[] weights, bool packed, Tensor cos, Tensor sin, Tensor(a!) cache, "
+      "forward_layers(Tensor x, Tensor?[] weights, int layout, Tensor cos, Tensor sin, Tensor(a!) cache, "
       "Tensor slot_of, Tensor write_pos, int h, int kv, float eps, Tensor? tree_base, Tensor? tree_anc, Tensor? rows, "
       "int lo, int hi, int l, Tensor? mask, "
       "int fold, Tensor? dense_rows, Tensor? dense_cols, int b, int t, Tensor[] share_dst, Tensor[] share_src, "
