@@ -14,7 +14,9 @@
 
 #include "common.h"
 
-#if defined(__linux__) && defined(__x86_64__) && defined(__GNUC__)
+// AMX intrinsics under a target attribute need GCC >= 11 or clang >= 12; older compilers build without tiles.
+#if defined(__linux__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define RHYMERL_TILES 1
 #include <cpuid.h>
 #include <immintrin.h>
