@@ -1,15 +1,15 @@
 // bf16 matmuls on AMX tiles (Intel CPUs since Sapphire Rapids): y = x W^T (+ b), with W prepacked once
 // into the tile layout (`pack_tiles`).
 //
-// Why not oneDNN's: at the row counts of rollout (1 to a few hundred tokens a step) its prepacked bf16
-// matmul reaches neither the memory bandwidth a decode step is bound by nor the tile throughput a
-// verification step needs; this one streams each weight tile from memory once per call and reuses it
-// from cache for every 32 rows (`rhymerl bench engine` and `bench spec` measure the difference).
+// Why not oneDNN's: at the row counts of rollout (1 to a few hundred tokens a step), its prepacked bf16
+// matmul was slower than this one, both in memory-bound decode steps and in verification steps that add
+// arithmetic. This one streams each weight tile from memory once per call and reuses it from cache for
+// every 32 rows (docs/benchmarks.md, eighth session: `bench engine` and `bench spec` before and after).
 //
 // Arithmetic: each output element is the fp32 sum over K in blocks of 32 (one TDPBF16PS per block, in K
 // order), plus the bias in fp32, rounded once to bf16. A row's result depends only on that row, not on how
 // many rows the call has, so a token verified in a draft tree and the same token decoded get the same
-// bits from every matmul (oneDNN picks its kernel by row count).
+// bits from every matmul. With oneDNN they did not: `bench spec`'s bf16 identity rose from 0.27 to 1.0.
 #include <torch/library.h>
 
 #include "common.h"
@@ -100,6 +100,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* x, int6
   if (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
 }
 
+// Column block nb (and nb + 1 when NB == 2) for every row of x, two row blocks at a time: the weight tiles
+// come from memory in the first pass and from cache in the others.
 template <int NB>
 void column_blocks(const char* x, int64_t ldx, int64_t m, const char* w, int64_t kb, const float* bias,
                    c10::BFloat16* out, int64_t n, int64_t nb) {
