@@ -319,3 +319,17 @@ def test_the_engine_multiplies_on_tiles_in_bf16_only():
         c = model.cfg
         cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, dtype, "cpu")
         assert ModelRunner(model, cache).tiles == tiles
+
+
+@needs_tiles
+def test_bench_matmul_times_both_kernels_and_compares_their_outputs(capsys):
+    from rhymerl.bench import matmul_bench
+    from tiny_models import tiny_checkpoint
+
+    summary = matmul_bench.run(tiny_checkpoint("llama")[0], rows=(1, 17), repeats=1)
+    assert summary["matmuls_per_forward"] == 4 * 2 + 1 and list(summary["rows"]) == ["1", "17"]
+    for r in summary["rows"].values():
+        assert r["onednn_ms"] > 0 and r["tiles_ms"] > 0
+        assert r["max_rel_diff"] < 2e-2  # the same products, summed in another order, rounded once to bf16
+    matmul_bench.print_table(summary)
+    assert "tiles ms" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rhymerl import report
-from rhymerl.bench import e2e_bench, engine_bench, spec_bench
+from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, spec_bench
 from rhymerl.config import DRAFT_RULES, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
@@ -95,6 +95,13 @@ def cmd_bench_spec(args) -> int:
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
                              args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds)
     spec_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_bench_matmul(args) -> int:
+    summary = matmul_bench.run(args.model, [int(m) for m in args.rows.split(",")], args.repeats, args.seed)
+    matmul_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
 
@@ -194,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
                     help="draft from a training run's saved history (and use its policy and prompts)")
     bs.set_defaults(func=cmd_bench_spec)
+    bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
+                         formatter_class=_DefaultsHelp)
+    bm.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bm.add_argument("--rows", default="1,8,32,64,96,128", help="comma-separated tokens per step")
+    bm.add_argument("--repeats", type=int, default=7, help="timed runs of each kernel, alternating; the median counts")
+    bm.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    bm.set_defaults(func=cmd_bench_matmul)
     b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)",
                          formatter_class=_DefaultsHelp)
     b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
