@@ -30,6 +30,8 @@ namespace {
 constexpr int64_t kTileN = 16;  // output columns per tile (a B tile's 16 columns of fp32 pairs)
 constexpr int64_t kTileK = 32;  // bf16 products per TDPBF16PS row (64 bytes)
 constexpr int64_t kTileM = 16;  // rows per A tile
+constexpr int64_t kRowBytes = kTileK * 2;            // one tile row: 32 bf16
+constexpr int64_t kTileBytes = kTileM * kRowBytes;  // one packed weight tile
 
 #ifdef RHYMERL_TILES
 
@@ -55,7 +57,7 @@ struct alignas(64) TileConfig {
 __attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
+    cfg.colsb[t] = kRowBytes;
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
@@ -79,25 +81,25 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const char* x, int6
   if (NB == 2) _tile_zero(1);
   if (MB == 2) _tile_zero(2);
   if (MB == 2 && NB == 2) _tile_zero(3);
-  const char* w1 = w + kb * 1024;
+  const char* w1 = w + kb * kTileBytes;
   for (int64_t k = 0; k < kb; ++k) {
-    _tile_loadd(4, x + k * 64, ldx);
-    _tile_loadd(6, w + k * 1024, 64);
+    _tile_loadd(4, x + k * kRowBytes, ldx);
+    _tile_loadd(6, w + k * kTileBytes, kRowBytes);
     _tile_dpbf16ps(0, 4, 6);
     if (NB == 2) {
-      _tile_loadd(7, w1 + k * 1024, 64);
+      _tile_loadd(7, w1 + k * kTileBytes, kRowBytes);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (MB == 2) {
-      _tile_loadd(5, x + 16 * ldx + k * 64, ldx);
+      _tile_loadd(5, x + 16 * ldx + k * kRowBytes, ldx);
       _tile_dpbf16ps(2, 5, 6);
       if (NB == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc[0], 64);
-  if (NB == 2) _tile_stored(1, acc[1], 64);
-  if (MB == 2) _tile_stored(2, acc[NB], 64);  // acc[row block * NB + column block]
-  if (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
+  _tile_stored(0, acc[0], kRowBytes);
+  if (NB == 2) _tile_stored(1, acc[1], kRowBytes);
+  if (MB == 2) _tile_stored(2, acc[NB], kRowBytes);  // acc[row block * NB + column block]
+  if (MB == 2 && NB == 2) _tile_stored(3, acc[3], kRowBytes);
 }
 
 // Column block nb (and nb + 1 when NB == 2) for every row of x, two row blocks at a time: the weight tiles
@@ -187,7 +189,7 @@ Tensor tile_linear(const Tensor& x, const Tensor& tiles, const std::optional<Ten
   const char* wd = static_cast<const char*>(tiles.data_ptr());
   const float* bd = bias ? b.data_ptr<float>() : nullptr;
   auto* od = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = kb * kTileK * 2, block_bytes = kb * 1024;
+  const int64_t ldx = kb * kRowBytes, block_bytes = kb * kTileBytes;
   // Threads split the column blocks, in pairs: each streams its share of the weight once.
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
