@@ -178,6 +178,14 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "drafted": drafted, "accepted": accepted,
             "accepted_by_source": {k: sum(x.accepted_by_source[k] for x in sp) for k in sp[0].accepted_by_source},
             "draft_time_share": round(sum(x.draft_s for x in sp) / max(sum(x.busy_s for x in ss), 1e-9), 3),
+            # Where the steps' time went: the model's forwards, and the rest (scheduling, drafting, sampling,
+            # the tree walk, the commit), in ms per forward.
+            "plain_ms_per_forward": round(1e3 * sum(x.forward_s for x in ps) / max(sum(x.forward_passes for x in ps), 1), 2),
+            "spec_ms_per_forward": round(1e3 * sum(x.forward_s for x in ss) / max(sum(x.forward_passes for x in ss), 1), 2),
+            "plain_other_ms_per_step": round(1e3 * sum(x.busy_s - x.forward_s for x in ps)
+                                             / max(sum(x.forward_passes for x in ps), 1), 2),
+            "spec_other_ms_per_step": round(1e3 * sum(x.busy_s - x.forward_s for x in ss)
+                                            / max(sum(x.forward_passes for x in ss), 1), 2),
             "identity_rate_bf16": round(identity(plain_all, spec_all), 3),
         }
         if epoch_seeds > 1:
