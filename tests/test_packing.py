@@ -24,7 +24,7 @@ def test_packed_forward_equals_plain_and_tracks_updates():
         model.layers[0].mlp.down_proj.weight.mul_(-5.0)
     with torch.inference_mode():
         after = model(ids)
-    model.layers[0].mlp.down_proj.packed = None  # plain path as the reference
+    model.layers[0].mlp.down_proj.packed = False  # plain path as the reference
     with torch.inference_mode():
         expected = model(ids)
     torch.testing.assert_close(after, expected, atol=0.02, rtol=0.02)

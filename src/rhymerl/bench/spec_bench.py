@@ -96,6 +96,13 @@ def _tail(make_engine, prompts, request_ids, params, suffix: str, repeats: int) 
     return out
 
 
+def _ms_per_forward(stats: list, part: str) -> float:
+    """Milliseconds per forward pass, over the runs' EngineStats, of the forward itself ("forward") or of the
+    rest of the step ("other")."""
+    seconds = sum(x.forward_s if part == "forward" else x.busy_s - x.forward_s for x in stats)
+    return round(1e3 * seconds / max(sum(x.forward_passes for x in stats), 1), 2)
+
+
 def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float) -> float:
     """HistoSpec tokens/s over plain tokens/s."""
     return round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3)
@@ -180,12 +187,8 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             "draft_time_share": round(sum(x.draft_s for x in sp) / max(sum(x.busy_s for x in ss), 1e-9), 3),
             # Where the steps' time went: the model's forwards, and the rest (scheduling, drafting, sampling,
             # the tree walk, the commit), in ms per forward.
-            "plain_ms_per_forward": round(1e3 * sum(x.forward_s for x in ps) / max(sum(x.forward_passes for x in ps), 1), 2),
-            "spec_ms_per_forward": round(1e3 * sum(x.forward_s for x in ss) / max(sum(x.forward_passes for x in ss), 1), 2),
-            "plain_other_ms_per_step": round(1e3 * sum(x.busy_s - x.forward_s for x in ps)
-                                             / max(sum(x.forward_passes for x in ps), 1), 2),
-            "spec_other_ms_per_step": round(1e3 * sum(x.busy_s - x.forward_s for x in ss)
-                                            / max(sum(x.forward_passes for x in ss), 1), 2),
+            "plain_ms_per_forward": _ms_per_forward(ps, "forward"), "spec_ms_per_forward": _ms_per_forward(ss, "forward"),
+            "plain_other_ms_per_step": _ms_per_forward(ps, "other"), "spec_other_ms_per_step": _ms_per_forward(ss, "other"),
             "identity_rate_bf16": round(identity(plain_all, spec_all), 3),
         }
         if epoch_seeds > 1:

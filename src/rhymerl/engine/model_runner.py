@@ -252,7 +252,7 @@ class ModelRunner:
     def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
         self.model = model
         self.cache = cache
-        self.packed = model.enable_packing()  # oneDNN prepacked weights on CPU (the eager path and fp32)
+        model.enable_packing()  # oneDNN prepacked weights on CPU (the eager path and fp32)
         self.device = next(model.parameters()).device
         # The kernels are built for fp32 and bf16; fp16 on a CPU runs the eager forward.
         kernel_dtype = cache.kv.dtype in (torch.float32, torch.bfloat16)

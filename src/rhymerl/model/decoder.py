@@ -84,43 +84,45 @@ class Linear(nn.Linear):
     per-call repacking of the weight disappears; in fp32 a different summation order (differences at fp32
     rounding level) and faster decoding (docs/benchmarks.md). Training (grad enabled) uses the plain weight.
 
-    The packed copy remembers which version of the weight it was made from and is remade on first use
-    after the weight changed (an optimizer step, a weight sync), so it can never be stale.
+    Its copies (oneDNN's, and the AMX tiles of the fused kernels) remember which version of the weight they
+    were made from and are remade on first use after the weight changed, so they can never be stale.
     """
 
-    packed: torch.Tensor | None = None
-    _packed_from: tuple = ()
-    _tiles: torch.Tensor | None = None
-    _tiles_from: tuple = ()
+    packed: bool = False  # inference multiplies by oneDNN's prepacked copy (enable_packing)
+    _copies: dict | None = None  # kind -> ((data_ptr, version) of the weight it was made from, the copy)
 
     def enable_packing(self) -> bool:
-        self._packed_from = ()
-        self.packed = torch.empty(0) if cpu_packing_supported(self.weight) else None
-        return self.packed is not None
+        self.packed = cpu_packing_supported(self.weight)
+        return self.packed
+
+    def _copy(self, kind: str, make) -> torch.Tensor:
+        """make(weight), kept per kind and remade on first use after the weight changed (an optimizer step
+        or a weight sync bumps its version), so a copy is never stale. The parameter is read through
+        _parameters: nn.Module.__getattr__ is slow, and a fused step reads ~120 weights."""
+        w = self._parameters["weight"]
+        key = (w.data_ptr(), w._version)
+        if self._copies is None:
+            self._copies = {}
+        made_from, copy = self._copies.get(kind, (None, None))
+        if made_from != key:
+            copy = make(w.detach())
+            self._copies[kind] = (key, copy)
+        return copy
 
     def inference_weight(self) -> tuple[torch.Tensor, bool]:
-        """(weight to multiply by, whether it is the prepacked copy), repacking first if it is stale."""
-        if self.packed is None:
+        """(weight to multiply by, whether it is the oneDNN prepacked copy)."""
+        if not self.packed:
             return self.weight, False
-        key = (self.weight.data_ptr(), self.weight._version)
-        if key != self._packed_from:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-            self._packed_from = key
-        return self.packed, True
+        return self._copy("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)), True
 
     def tiles(self, pack) -> torch.Tensor:
-        """The weight in the fused kernels' AMX tile layout (`pack` is their `pack_tiles`), repacked first if it
-        is stale, like `inference_weight`. Kept apart from the oneDNN copy, so the engine (tiles) and an eager
-        forward (oneDNN) in the same process do not repack each other's copy at every call."""
-        w = self._parameters["weight"]  # not self.weight: nn.Module.__getattr__ is slow, and a step reads ~200
-        key = (w.data_ptr(), w._version)
-        if key != self._tiles_from:
-            self._tiles = pack(w.detach())
-            self._tiles_from = key
-        return self._tiles
+        """The weight in the fused kernels' AMX tile layout (`pack` is their `pack_tiles`). Kept apart from the
+        oneDNN copy, so the engine (tiles) and an eager forward (oneDNN) in one process do not repack each
+        other's copy at every call."""
+        return self._copy("tiles", pack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled():
+        if not self.packed or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.inference_weight()[0], self.bias, "none", [], "")
 
@@ -282,7 +284,7 @@ class Decoder(nn.Module):
         if pack_tiles is not None:
             layout, weight = TILES, lambda lin: lin.tiles(pack_tiles)
         else:
-            layout, weight = ONEDNN if self.lm_head.packed is not None else PLAIN, lambda lin: lin.inference_weight()[0]
+            layout, weight = ONEDNN if self.lm_head.packed else PLAIN, lambda lin: lin.inference_weight()[0]
         out = []
         for norm1, qkv, q_norm, k_norm, o, norm2, gate_up, down in self._fused_modules:
             out += [_param(norm1, "weight"), weight(qkv), _param(qkv, "bias"), _param(q_norm, "weight"),
