@@ -80,7 +80,7 @@ def _param(module: nn.Module | None, name: str) -> nn.Parameter | None:
 
 class Linear(nn.Linear):
     """nn.Linear that, for inference on a CPU, can use a copy of its weight prepacked into oneDNN's blocked
-    layout: in bf16 the same product (bit-identical in our tests) at about half the cost, because the
+    layout: in bf16 the same product (bit-identical in our tests) at less cost, because the
     per-call repacking of the weight disappears; in fp32 a different summation order (differences at fp32
     rounding level) and faster decoding (docs/benchmarks.md). Training (grad enabled) uses the plain weight.
 
