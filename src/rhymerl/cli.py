@@ -83,7 +83,7 @@ def cmd_report(args) -> int:
 
 def cmd_bench_engine(args) -> int:
     summary = engine_bench.run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.num_prompts,
-                               args.max_tokens, args.temperature, args.top_p, args.seed, args.skip_hf)
+                               args.max_tokens, args.temperature, args.top_p, args.seed, args.skip_hf, args.device)
     engine_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -93,7 +93,7 @@ def cmd_bench_spec(args) -> int:
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
-                             args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds)
+                             args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds, args.device)
     spec_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -116,6 +116,7 @@ def cmd_bench_e2e(args) -> int:
 
 
 MODEL_HELP = "built-in name, HF directory, .gguf file or hub id"
+DEVICE_HELP = "cpu or cuda (default: cuda when available)"
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--file", help="JSONL file with a 'prompt' field per row (text or chat messages)")
     g.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     g.add_argument("--dtype", default="bf16", help="bf16 | fp32 | fp16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--device", default=None, help=DEVICE_HELP)
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     be.add_argument("--seed", type=int, default=0, help="sampling seed and prompt-set seed")
     be.add_argument("--skip-hf", action="store_true", help="only our engine")
+    be.add_argument("--device", default=None, help=DEVICE_HELP)
     be.set_defaults(func=cmd_bench_engine)
     bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts",
                          formatter_class=_DefaultsHelp)
@@ -200,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")
     bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
                     help="draft from a training run's saved history (and use its policy and prompts)")
+    bs.add_argument("--device", default=None, help=DEVICE_HELP)
     bs.set_defaults(func=cmd_bench_spec)
     bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
                          formatter_class=_DefaultsHelp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from rich.console import Console
 
 
@@ -11,3 +12,11 @@ def table_console() -> Console:
     stubs."""
     console = Console()
     return console if console.is_terminal else Console(width=240)
+
+
+def device_fields(device: torch.device | str) -> dict:
+    """The bench JSON's description of where it ran: the device, and the CPU threads or the GPU's name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"device": "cuda", "gpu": torch.cuda.get_device_name(device)}
+    return {"device": device.type, "threads": torch.get_num_threads()}

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-from rhymerl.bench.console import table_console
+from rhymerl.bench.console import device_fields, table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained, parse_dtype
@@ -31,8 +31,8 @@ def hf_generate(hf_model, prompts: list[list[int]], batch: int, params: Sampling
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=hf_model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf_model.device)
         sampling = dict(do_sample=True, temperature=params.temperature, top_k=0, top_p=params.top_p) \
             if not params.greedy else dict(do_sample=False)
         with torch.inference_mode():
@@ -53,9 +53,11 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
 
 def run(model_name: str = "smollm2-135m", dtype: str = "bf16", batches=(1, 8, 32), num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-        skip_hf: bool = False) -> dict:
-    model, tokenizer, model_dir = load_pretrained(model_name, dtype, "cpu")
-    hf_model = None if skip_hf else AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).eval()
+        skip_hf: bool = False, device: str | None = None) -> dict:
+    model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
+    device = next(model.parameters()).device
+    hf_model = None if skip_hf else \
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).to(device).eval()
     eos_ids = sorted(Engine(model, tokenizer, num_slots=1, max_model_len=8).eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
@@ -78,14 +80,14 @@ def run(model_name: str = "smollm2-135m", dtype: str = "bf16", batches=(1, 8, 32
             row.update(hf_tokens=htok, hf_s=round(hsec, 2), hf_tok_s=round(htok / hsec, 1),
                        speedup=round((tok / sec) / (htok / hsec), 2))
         results[str(b)] = row
-    return {"model": model_name, "dtype": dtype, "device": "cpu", "threads": torch.get_num_threads(),
+    return {"model": model_name, "dtype": dtype, **device_fields(device),
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "batches": results}
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
     console = console or table_console()
     t = Table(title=f"rollout throughput: {summary['model']} {summary['dtype']}, T={summary['temperature']}, "
-                    f"max_tokens={summary['max_tokens']}, {summary['threads']} threads")
+                    f"max_tokens={summary['max_tokens']}, {summary.get('gpu') or str(summary['threads']) + ' threads'}")
     for col in ("batch", "prompts", "ours tok", "ours s", "ours tok/s", "hf tok", "hf s", "hf tok/s", "speedup"):
         t.add_column(col, justify="right")
     for b, r in summary["batches"].items():

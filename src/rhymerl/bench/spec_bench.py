@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from rhymerl.bench.console import table_console
+from rhymerl.bench.console import device_fields, table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
@@ -62,7 +62,7 @@ def mean_entropy(model, prompts, outs, num_generations: int, temperature: float,
         prompt = prompts[k // num_generations]
         if not o.token_ids:
             continue
-        ids = torch.tensor([prompt + o.token_ids])
+        ids = torch.tensor([prompt + o.token_ids], device=next(model.parameters()).device)
         with torch.inference_mode():
             logits = model(ids)[0, len(prompt) - 1 : -1].float() / max(temperature, 1e-6)
         total += float(entropy_from_logits(logits).sum())
@@ -110,7 +110,7 @@ def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float)
 
 def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1) -> dict:
+        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1, device=None) -> dict:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if epoch_seeds < 1:
@@ -126,13 +126,14 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
         run_history = HistoryStore()
         run_history.load_state_dict(history_state)
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
-    model, tokenizer, model_dir = load_pretrained(model_name, dtype, "cpu")
+    model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
+    device = next(model.parameters()).device
     if run_history is not None:
         prompts = [run_history.prompt(k) for k in run_history.keys()][-num_prompts:]  # most recently used
     else:
         prompts = load_prompts(tokenizer, data, num_prompts, seed)
     max_len = max(map(len, prompts)) + max_tokens
-    fp32 = load_pretrained(model_name, "fp32", "cpu")[0] if identity_prompts else None
+    fp32 = load_pretrained(model_name, "fp32", device)[0] if identity_prompts else None
 
     def make(m, spec, history=None, n_slots=slots, length=max_len):
         return Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
@@ -216,7 +217,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             row["identity_rate"] = round(identity(a, b), 3)
             row["identity_n"] = len(a)
         results[str(temp)] = row
-    return {"model": model_name, "dtype": dtype, "device": "cpu", "threads": torch.get_num_threads(),
+    return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
             "max_tokens": max_tokens, "draft_rule": draft_rule, "repeats": repeats,
             "epoch_seeds": epoch_seeds,

@@ -286,4 +286,6 @@ class ModelRunner:
             logits = self.model.forward_fused(tokens_t, positions_t, backend, self.ops, logit_rows, self.tiles)
         else:
             logits = self.model.forward_packed(tokens_t, positions_t, backend, logit_rows)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # callers time the forward (cost model, forward_s), not its launch
         return logits.float() if float_logits else logits

@@ -1,0 +1,110 @@
+"""The engine, HistoSpec, the sampler and the trainer on a CUDA GPU, against references on the CPU. Skipped
+where there is no GPU. The RL loop's own tests (test_training_loop.py) also run on the GPU where there is
+one: `TrainingRun` takes it."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rhymerl.config import TrainSection
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.sampler import sample
+from rhymerl.engine.sampling_params import SamplingParams, draw_key, request_key
+from rhymerl.model.pretrained import chat_prompt_ids
+from rhymerl.model.weights import load_decoder
+from rhymerl.rl.trainer import PolicyTrainer
+from test_engine import reference_generate
+from test_histospec import FLAT, history_of, peaky
+from test_trainer import _samples
+from tiny_models import random_prompts, tiny_decoder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_engine(model, spec="off", history=None, slots=4):
+    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], speculative=spec,
+                  history=history, cost_model=FLAT, max_draft_tokens=8)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=16),
+                                    SamplingParams(temperature=1.0, max_tokens=16, seed=7)])
+def test_engine_on_cuda_matches_the_cpu_reference(params):
+    """The GPU engine samples the tokens that the dense CPU reference loop samples: keyed randomness does
+    not depend on the device."""
+    cpu = tiny_decoder("llama")
+    gpu = copy.deepcopy(cpu).to("cuda")
+    prompts = random_prompts(6, seed=1)
+    outs = cuda_engine(gpu, slots=3).generate(prompts, params, request_ids=[f"r{i}" for i in range(6)])
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        toks, logps = reference_generate(cpu, p, params, f"r{i}")
+        assert o.token_ids == toks
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(logps), atol=1e-4, rtol=1e-4)
+
+
+def test_sampler_draws_the_same_tokens_on_cuda_and_cpu():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 49152, generator=g) * 4
+    keys = [draw_key(3, request_key(f"q{i}"), i) for i in range(64)]
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=50, top_p=0.9)):
+        cpu_tokens, cpu_logps = sample(logits, params, keys)
+        gpu_tokens, gpu_logps = sample(logits.cuda(), params, keys)
+        assert gpu_tokens == cpu_tokens
+        torch.testing.assert_close(torch.tensor(gpu_logps), torch.tensor(cpu_logps), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])
+def test_histospec_on_cuda_is_token_identical_to_plain(temperature):
+    model = peaky(tiny_decoder("llama-d64")).to("cuda")
+    prompts = random_prompts(6, seed=21)
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=5)
+    history = history_of(model, prompts, params)
+    ids = [f"p{i}-g{g}" for i in range(6) for g in range(2)]
+    batch = [p for p in prompts for _ in range(2)]
+    plain = cuda_engine(model).generate(batch, params, request_ids=ids)
+    spec_engine = cuda_engine(model, "histospec", history)
+    spec = spec_engine.generate(batch, params, request_ids=ids)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for a, b in zip(spec, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+    assert spec_engine.speculator.stats.drafted > 0
+
+
+def test_measured_cost_model_on_cuda_is_positive_and_grows_with_tokens():
+    """The start-up cost model times real forwards; on a GPU the clock must wait for them (the runner
+    synchronises), so the times are those of the work, not of its launch."""
+    model = tiny_decoder("llama").to("cuda")
+    cost = Engine(model, num_slots=8, max_model_len=512, speculative="histospec").cost_model
+    smallest, largest = cost.times[0][0], cost.times[-1][-1]
+    assert 0 < smallest <= largest
+
+
+def test_trainer_update_on_cuda_matches_the_cpu():
+    """One micro-batched GRPO update in fp32: the same loss metrics and the same new weights on both devices."""
+    cpu = tiny_decoder().train()
+    gpu = copy.deepcopy(cpu).to("cuda")
+    cfg = TrainSection(micro_batch_size=2, loss_type="dapo", dtype="fp32", max_grad_norm=1.0, learning_rate=1e-3,
+                       recompute_logprobs=False)
+    samples = _samples(group=3)
+    m_cpu = PolicyTrainer(cpu, cfg, temperature=0.7, max_completion_length=8).update(samples)
+    m_gpu = PolicyTrainer(gpu, cfg, temperature=0.7, max_completion_length=8).update(samples)
+    assert m_gpu["actor/trained_seqs"] == m_cpu["actor/trained_seqs"]
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert m_gpu[key] == pytest.approx(m_cpu[key], rel=1e-4, abs=1e-6), key
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_real_model_greedy_on_cuda_equals_transformers_generate(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).to("cuda").eval()
+    ours = load_decoder(smollm2_dir, torch.float32, "cuda")
+    prompts = [chat_prompt_ids(tok, q) for q in ("What is 3 + 4?", "Name a color.", "Hi")]
+    outs = Engine(ours, tok, num_slots=2, max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24))
+    for p, o in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
+        assert o.token_ids == ref[: len(o.token_ids)] and len(o.token_ids) == len(ref)
