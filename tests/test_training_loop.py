@@ -137,7 +137,8 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     ids = torch.tensor([[1, 5, 9, 200, 3000]])
     assert not torch.allclose(hf(ids).logits, base(ids).logits)
     ours = TrainingRun.resume(killed).model
-    torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    logits = ours(ids.to(next(ours.parameters()).device)).cpu()  # the run's device: cuda if any
+    torch.testing.assert_close(logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_latest_checkpoint_is_the_newest_complete_directory(tmp_path):
@@ -237,7 +238,8 @@ def test_lora_trains_adapters_only_and_resumes_exactly(tiny_dir, tmp_path):
     assert _learned(rows) == _learned(rows_full)
     hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "half"), dtype=torch.float32)
     ids = torch.tensor([[1, 5, 9, 200, 3000]])
-    torch.testing.assert_close(resumed.model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    ours = resumed.model(ids.to(next(resumed.model.parameters()).device)).cpu()  # the run's device: cuda if any
+    torch.testing.assert_close(ours, hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):

@@ -240,7 +240,7 @@ class CachedAttention:
         if g.fold > 1:
             b, h, t, d = q.shape
             out = F.scaled_dot_product_attention(q.reshape(b, n_kv, g.fold * t, d), k, v, attn_mask=g.mask)
-            return out.view(b, h, t, d)
+            return out.reshape(b, h, t, d)  # a CUDA kernel may return another layout than [b, kv, fold*t, d]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, enable_gqa=q.shape[1] != n_kv)
 
 

@@ -10,6 +10,7 @@ uninterrupted run would have done, and HistoSpec on or off gives the same rollou
 from __future__ import annotations
 
 import copy
+import os
 import random
 import sys
 import time
@@ -79,6 +80,15 @@ def sync_weights(params: dict[str, torch.Tensor], dst: Decoder) -> None:
             p.copy_(params[name])
 
 
+def make_cuda_deterministic() -> None:
+    """Same seed, same run on a GPU too, as on a CPU: a resumed run repeats the uninterrupted one and
+    HistoSpec on or off learns the same thing (tests/test_training_loop.py). Some CUDA kernels add with
+    atomics in whatever order the threads arrive, e.g. the backward of the gather that lets GRPO siblings
+    share their prompt's rows; torch has order-fixed versions of them. cuBLAS needs a fixed workspace."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns instead of failing
+
+
 class TrainingRun:
     """One `rhymerl train` run. `cost_model` fixes HistoSpec's forward-cost model instead of measuring it
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
@@ -97,6 +107,8 @@ class TrainingRun:
         self.model_dir = resolve_model_dir(cfg.model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            make_cuda_deterministic()
         lora = cfg.model.lora_r > 0
         # With LoRA the checkpoint's merged weights cannot be split back into base + adapter, so a LoRA run
         # restarts from the base model and reloads its adapter (and base) from trainer.pt below.
