@@ -113,6 +113,34 @@ def test_speculative_rollout_is_token_identical_in_bf16_on_tiles(temperature):
     assert spec_engine.speculator.stats.accepted > 0
 
 
+def test_tile_cache_changes_no_bit_of_a_rollout():
+    """The tree kernel's tile cache (bf16 on AMX) is kept across steps and must follow every rewrite of a
+    slot: requests refilling slots, copied prompt prefixes, moves when slots are compacted, commits of draft
+    paths. A rollout with it equals one whose cache is forgotten before every step."""
+    model = peaky(tiny_decoder("llama-d64", torch.bfloat16))
+    probe = engine(model, "off")
+    if probe.cache.tiles is None:
+        pytest.skip("needs AMX tiles (the tree kernel keeps no tile cache elsewhere)")
+    prompts = random_prompts(5, seed=29, lo=40, hi=70)  # past a 32-position block before decoding
+    params = SamplingParams(temperature=0.3, max_tokens=40, seed=3)
+    history = history_of(model, prompts, params)
+    batch = [p for p in prompts for _ in range(3)]  # siblings share their prompt's prefix
+    ids = [f"p{i}-g{k}" for i in range(5) for k in range(3)]
+    outs = {}
+    for forget in (False, True):
+        eng = engine(model, "histospec", history, slots=4)
+        if forget:
+            run = eng.runner.run
+            def run_forgetting(inputs, *a, eng=eng, run=run, **kw):
+                eng.cache.tile_blocks.zero_()
+                return run(inputs, *a, **kw)
+            eng.runner.run = run_forgetting
+        outs[forget] = eng.generate(batch, params, request_ids=ids)
+        assert eng.speculator.stats.accepted > 0
+    assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]]
+    assert [o.logprobs for o in outs[False]] == [o.logprobs for o in outs[True]]
+
+
 def test_greedy_full_acceptance_needs_fewer_forwards(model):
     prompts = random_prompts(4, seed=22)
     params = SamplingParams(temperature=0, max_tokens=30)

@@ -229,6 +229,31 @@ def test_a_verified_token_and_the_same_token_decoded_get_the_same_bits(dtype):
 
 
 @needs_kernels
+def test_tree_attention_tile_cache_gives_the_bits_of_no_cache():
+    """On AMX tiles the tree kernel keeps each slot's keys and values rearranged, block by block, across
+    calls. Steps that grow the slots past block ends, a tree, and a slot rewritten from position 20 (after
+    `tile_blocks` is cut back, as the engine does) attend exactly as calls that rearrange everything anew."""
+    elems = ops.tree_attention_block_elems(64, torch.bfloat16)
+    if elems == 0:
+        pytest.skip("no AMX tiles here: the tree kernel keeps no tile cache")
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(3, 6, 160, 64, generator=g).to(torch.bfloat16)
+    tiles = torch.zeros(3, 3, 5, elems, dtype=torch.bfloat16)
+    blocks = torch.zeros(3, 3, dtype=torch.int64)
+    for step, (bases, parents) in enumerate([([30, 0, 64], [[-1], [-1], [-1]]), ([31, 1, 65], [[-1], [-1], [-1]]),
+                                             ([33, 40, 96], [[-1, 0, 0, 1], [-1], [-1, 0]]),
+                                             ([70, 41, 127], [[-1], [-1, 0, 1, 2], [-1]])]):
+        if step == 3:  # slot 1 gets a new sequence from position 20 on
+            cache[1, :, 20:] = torch.randn(6, 140, 64, generator=g).to(torch.bfloat16)
+            blocks[1] = torch.clamp(blocks[1], max=20 // 32)
+        slot_of, base, anc = tree_step(parents, bases, [0, 1, 2])
+        q = torch.randn(len(slot_of), 9, 64, generator=g).to(torch.bfloat16)
+        cached = ops.tree_attention(q, cache, slot_of, base, anc, tiles, blocks)
+        assert torch.equal(cached, ops.tree_attention(q, cache, slot_of, base, anc))
+    assert blocks.tolist() == [[2] * 3, [1] * 3, [3] * 3]  # blocks wholly below each slot's last base
+
+
+@needs_kernels
 def test_tree_attention_declines_what_it_does_not_take():
     """Heads of 24 (Qwen3's tiny test size) or fp16: not supported, and the kernel returns None."""
     assert not ops.tree_attention_supports(24, torch.float32)

@@ -198,7 +198,8 @@ class CachedAttention:
         g = self.groups[0]
         shares = ([d for d, _, _ in self.shares], [s for _, s, _ in self.shares], [n for _, _, n in self.shares])
         if isinstance(g, _TreeGroup):
-            return self.cache.kv, (g.base, g.anc, None, 0, 0, 0, None, 1, None, None, 0, 0, *shares)
+            return self.cache.kv, (g.base, g.anc, None, 0, 0, 0, None, 1, None, None, 0, 0, *shares, self.cache.tiles,
+                                   self.cache.tile_blocks)
         rows, lo, hi = (None, g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else (g.rows, 0, 0)
         dense_rows, dense_cols = g.dense if g.dense is not None else (None, None)
         return self.cache.kv, (None, None, rows, lo, hi, g.l, g.mask, g.fold, dense_rows, dense_cols, g.b, g.t, *shares)
@@ -212,18 +213,20 @@ class CachedAttention:
         cache = self.cache.kv[layer]
         for dst, src, n in self.shares:
             cache[dst, :, :n] = cache[src, :, :n]
+        tiles = (None, None) if self.cache.tiles is None else (self.cache.tiles[layer], self.cache.tile_blocks[layer])
         if len(self.groups) == 1 and self.groups[0].token_index is None:
-            return self._group(q, cache, self.groups[0])  # the usual step: no scatter of the outputs
+            return self._group(q, cache, self.groups[0], tiles)  # the usual step: no scatter of the outputs
         out = torch.empty_like(q)
         for g in self.groups:
-            out[g.token_index] = self._group(q if g.token_index is None else q[g.token_index], cache, g)
+            out[g.token_index] = self._group(q if g.token_index is None else q[g.token_index], cache, g, tiles)
         return out
 
-    def _group(self, q, cache, g: _Group | _TreeGroup):
-        """q: [n, H, D] the group's tokens in packed order -> [n, H, D]."""
+    def _group(self, q, cache, g: _Group | _TreeGroup, tiles=(None, None)):
+        """q: [n, H, D] the group's tokens in packed order -> [n, H, D]. tiles: the layer's tile cache and
+        its current-block counts, for the tree attention."""
         if isinstance(g, _TreeGroup):
             slot_of = self.slot_of if g.token_index is None else self.slot_of[g.token_index]
-            return self.tree_attention(q, cache, slot_of, g.base, g.anc)
+            return self.tree_attention(q, cache, slot_of, g.base, g.anc, *tiles)
         h, d = q.shape[1], q.shape[2]
         if g.dense is None:  # one token per row, every row: [n, H, D] is already [b, t=1, H, D]
             return self._sdpa(q.view(g.b, 1, h, d).transpose(1, 2), cache, g).transpose(1, 2).reshape(g.b, h, d)
@@ -259,6 +262,8 @@ class ModelRunner:
         self.ops = native.ops() if fused and self.device.type == "cpu" and kernel_dtype else None
         takes_trees = self.ops is not None and self.ops.tree_attention_supports(model.cfg.head_dim, cache.kv.dtype)
         self.tree_attention = self.ops.tree_attention if takes_trees else None
+        if takes_trees:  # on AMX tiles the tree attention keeps the slots' keys and values rearranged
+            cache.enable_tiles(self.ops.tree_attention_block_elems(model.cfg.head_dim, cache.kv.dtype))
         # bf16 matmuls on AMX tiles where the CPU has them (kernels/tile_linear.cpp), else oneDNN's.
         self.tiles = self.ops is not None and self.ops.tile_linear_supported() and model.tiles_fit()
 
@@ -277,6 +282,8 @@ class ModelRunner:
             positions.append(x.base + depth)
             rows += range(off + x.logits_from, off + n)
             off += n
+        # This step writes each slot from its base on, and a copied prefix from 0.
+        self.cache.forget_tiles([x.slot for x in inputs], [0 if x.prefix_from is not None else x.base for x in inputs])
         dev = self.device
         tokens_t = torch.tensor(tokens, device=dev)
         positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)

@@ -14,6 +14,13 @@
 #include <type_traits>
 #include <vector>
 
+// AMX tiles (tile_linear.cpp, tree_attention.cpp): Linux on x86-64. Their intrinsics under a target
+// attribute need GCC >= 11 or clang >= 12; older compilers build without tiles.
+#if defined(__linux__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define RHYMERL_TILES 1
+#endif
+
 namespace rhymerl_native {
 
 using at::Tensor;
@@ -66,13 +73,19 @@ constexpr int64_t kPlain = 0, kOneDnn = 1, kTiles = 2;
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, int64_t layout);
 
 // tile_linear.cpp
-bool tile_linear_supported();
+bool tile_linear_supported();  // the CPU has AMX-BF16 and this process may use the tiles
+#ifdef RHYMERL_TILES
+void configure_tiles();  // per thread, before its tile instructions: 8 tiles of 16 rows x 64 bytes
+void release_tiles();
+#endif
 Tensor pack_tiles(const Tensor& w);
 Tensor tile_linear(const Tensor& x, const Tensor& tiles, const std::optional<Tensor>& bias);
 
 // tree_attention.cpp
 bool tree_attention_supports(int64_t d, at::ScalarType dtype);
+int64_t tree_attention_block_elems(int64_t d, at::ScalarType dtype);
 std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,
-                                     const Tensor& anc);
+                                     const Tensor& anc, const std::optional<Tensor>& tiles,
+                                     const std::optional<Tensor>& tile_blocks);
 
 }  // namespace rhymerl_native

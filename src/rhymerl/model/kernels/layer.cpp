@@ -199,10 +199,11 @@ Tensor group_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_
                        const std::optional<Tensor>& tree_base, const std::optional<Tensor>& tree_anc,
                        const std::optional<Tensor>& rows, int64_t lo, int64_t hi, int64_t l,
                        const std::optional<Tensor>& mask, int64_t fold, const std::optional<Tensor>& dense_rows,
-                       const std::optional<Tensor>& dense_cols, int64_t b, int64_t t) {
+                       const std::optional<Tensor>& dense_cols, int64_t b, int64_t t,
+                       const std::optional<Tensor>& tiles, const std::optional<Tensor>& tile_blocks) {
   using at::indexing::Slice;
   if (tree_base) {
-    auto out = tree_attention(q, cache, slot_of, *tree_base, *tree_anc);
+    auto out = tree_attention(q, cache, slot_of, *tree_base, *tree_anc, tiles, tile_blocks);
     TORCH_CHECK(out, "rhymerl native kernels: tree attention was asked for a shape it does not take");
     return *out;
   }
@@ -229,14 +230,16 @@ Tensor group_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_
 // input norm, qkv, qkv bias, q norm, k norm, o_proj, post-attention norm, gate/up, down (None where the
 // architecture has none). cache: [layers, slots, 2KV, capacity, D]. shares: prefix copies (destination
 // slots, source slots, length), done in each layer after its keys/values are written. Returns (x, r) as
-// pre_attn/post_attn do: the residual stream and the last MLP output, not yet added.
+// pre_attn/post_attn do: the residual stream and the last MLP output, not yet added. tiles, tile_blocks:
+// the tree attention's tile cache of every layer (engine/kv_cache.py), where it keeps one.
 std::tuple<Tensor, Tensor> forward_layers(
     Tensor x, const c10::List<std::optional<Tensor>>& weights, int64_t layout, const Tensor& cos, const Tensor& sin,
     const Tensor& cache, const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, double eps,
     const std::optional<Tensor>& tree_base, const std::optional<Tensor>& tree_anc, const std::optional<Tensor>& rows,
     int64_t lo, int64_t hi, int64_t l, const std::optional<Tensor>& mask, int64_t fold,
     const std::optional<Tensor>& dense_rows, const std::optional<Tensor>& dense_cols, int64_t b, int64_t t,
-    at::TensorList share_dst, at::TensorList share_src, at::IntArrayRef share_len) {
+    at::TensorList share_dst, at::TensorList share_src, at::IntArrayRef share_len, const std::optional<Tensor>& tiles,
+    const std::optional<Tensor>& tile_blocks) {
   constexpr int64_t kPerLayer = 9;
   const int64_t layers = cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer,
@@ -251,8 +254,13 @@ std::tuple<Tensor, Tensor> forward_layers(
       Tensor prefix = layer_cache.narrow(2, 0, share_len[j]);
       prefix.index_copy_(0, share_dst[j], prefix.index_select(0, share_src[j]));
     }
+    std::optional<Tensor> layer_tiles, layer_blocks;
+    if (tiles) {
+      layer_tiles = tiles->select(0, i);
+      layer_blocks = tile_blocks->select(0, i);
+    }
     Tensor out = group_attention(q, layer_cache, slot_of, tree_base, tree_anc, rows, lo, hi, l, mask, fold,
-                                 dense_rows, dense_cols, b, t);
+                                 dense_rows, dense_cols, b, t, layer_tiles, layer_blocks);
     std::tie(x, r) = post_attn(out.reshape({out.size(0), -1}), s, *w(5), *w(6), *w(7), *w(8), layout, eps);
   }
   return {x, *r};
@@ -283,6 +291,6 @@ TORCH_LIBRARY(rhymerl_native, m) {
       "Tensor slot_of, Tensor write_pos, int h, int kv, float eps, Tensor? tree_base, Tensor? tree_anc, Tensor? rows, "
       "int lo, int hi, int l, Tensor? mask, "
       "int fold, Tensor? dense_rows, Tensor? dense_cols, int b, int t, Tensor[] share_dst, Tensor[] share_src, "
-      "int[] share_len) -> (Tensor, Tensor)",
+      "int[] share_len, Tensor(b!)? tiles=None, Tensor(c!)? tile_blocks=None) -> (Tensor, Tensor)",
       &forward_layers);
 }

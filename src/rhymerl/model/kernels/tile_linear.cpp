@@ -14,10 +14,7 @@
 
 #include "common.h"
 
-// AMX intrinsics under a target attribute need GCC >= 11 or clang >= 12; older compilers build without tiles.
-#if defined(__linux__) && defined(__x86_64__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define RHYMERL_TILES 1
+#ifdef RHYMERL_TILES
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -53,15 +50,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: fp32 accumulators (16 x 16); 4-5: x rows (16 x 32 bf16); 6-7: weight tiles (16 pairs x 16).
-__attribute__((target("amx-tile"))) void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = kRowBytes;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // fp32 accumulator tile (+ bias) -> bf16 rows [m0, min(m0 + 16, M)) of columns [n0, n0 + 16) of `out`.
 inline void store_tile(const float* acc, const float* bias, c10::BFloat16* out, int64_t ldo, int64_t m0, int64_t m,
@@ -121,11 +109,26 @@ void column_blocks(const char* x, int64_t ldx, int64_t m, const char* w, int64_t
   }
 }
 
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
-
 #endif  // RHYMERL_TILES
 
 }  // namespace
+
+#ifdef RHYMERL_TILES
+// Every tile 16 rows of 64 bytes. Here: 0-3 fp32 accumulators (16 x 16), 4-5 x rows (16 x 32 bf16), 6-7
+// weight tiles (16 pairs x 16); tree_attention.cpp uses the same shapes.
+__attribute__((target("amx-tile"))) void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = kRowBytes;
+    cfg.rows[t] = 16;
+  }
+  // GCC does not see that LDTILECFG reads cfg and dropped the stores above when this was not inlined
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+#endif
 
 bool tile_linear_supported() {
 #ifdef RHYMERL_TILES

@@ -57,6 +57,55 @@ inline __m512 sum16x16(const __m512* a) {
   return fold(fold(c[0], c[1]), fold(c[2], c[3]));
 }
 
+// sq[0, len) -> exp(sq - max) in place; returns 1 / their sum. In 16 lanes by k mod 16 (a scalar running sum
+// kept it unvectorised), so the result depends only on the row's values in order.
+inline float softmax_row(float* sq, int64_t len) {
+  __m512 top16 = _mm512_set1_ps(sq[0]);
+  int64_t k = 0;
+  for (; k + 16 <= len; k += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(sq + k));
+  float top = _mm512_reduce_max_ps(top16);
+  for (; k < len; ++k) top = sq[k] > top ? sq[k] : top;
+  for (k = 0; k < len; ++k) sq[k] = exp_approx(sq[k] - top);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (k = 0; k + 16 <= len; k += 16) sum16 = _mm512_add_ps(sum16, _mm512_loadu_ps(sq + k));
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (; k < len; ++k) sum += sq[k];
+  return 1.f / sum;
+}
+
+// Token index where each run of consecutive tokens of one slot (same slot, same base) starts, then n.
+std::vector<int64_t> slot_runs(const int64_t* slots, const int64_t* base, int64_t n) {
+  std::vector<int64_t> runs;
+  for (int64_t i = 0; i < n; ++i)
+    if (i == 0 || slots[i] != slots[i - 1] || base[i] != base[i - 1]) runs.push_back(i);
+  runs.push_back(n);
+  for (size_t r = 0; r + 1 < runs.size(); ++r)  // a token's ancestors are bits of one int64
+    TORCH_CHECK(runs[r + 1] - runs[r] <= 64, "rhymerl native kernels: tree_attention takes at most 64 consecutive "
+                "tokens of one slot, got ", runs[r + 1] - runs[r]);
+  return runs;
+}
+
+// body(first, last) on each thread for its share of the work items (item it: run it % runs, KV head
+// it / runs), in one list per thread of about equal cost (queries x keys), since slots differ in length.
+template <typename Body>
+void for_items(const std::vector<int64_t>& runs, const int64_t* base, int64_t kv, const Body& body) {
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1, items = num_runs * kv;
+  std::vector<double> cost(items + 1, 0.0);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t r = it % num_runs, m = runs[r + 1] - runs[r];
+    cost[it + 1] = cost[it] + static_cast<double>(m) * static_cast<double>(base[runs[r]] + m);
+  }
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+      const int64_t first = std::lower_bound(cost.begin(), cost.end(), cost[items] * chunk / chunks) - cost.begin();
+      const int64_t last = chunk + 1 == chunks ? items
+          : std::lower_bound(cost.begin(), cost.end(), cost[items] * (chunk + 1) / chunks) - cost.begin();
+      body(first, last);
+    }
+  });
+}
+
 // Attention of the small steps of a forward: decode rows, draft trees and short chains (at most 64 tokens
 // per slot). Token i of slot slots[i] attends to the slot's committed prefix, keys [0, base[i]), and to its
 // tree ancestors and itself, keys base[i] + j for each set bit j of anc[i] (a decode row: base = its
@@ -78,29 +127,13 @@ void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slot
                          float scale) {
   constexpr int D = 32 * NW, NV = 2 * NW, GC = 16 / NV;  // head size, vectors per head, queries per value pass
   const int64_t g = h / kv;
-  std::vector<int64_t> runs;  // token index where each run of one slot starts, then n
-  for (int64_t i = 0; i < n; ++i)
-    if (i == 0 || slots[i] != slots[i - 1] || base[i] != base[i - 1]) runs.push_back(i);
-  runs.push_back(n);
-  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1, items = num_runs * kv;
-  for (int64_t r = 0; r < num_runs; ++r)  // a token's ancestors are bits of one int64
-    TORCH_CHECK(runs[r + 1] - runs[r] <= 64, "rhymerl native kernels: tree_attention takes at most 64 consecutive "
-                "tokens of one slot, got ", runs[r + 1] - runs[r]);
-  // Items in one list per thread of about equal cost (queries x keys), since slots differ in length.
-  std::vector<double> cost(items + 1, 0.0);
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t r = it % num_runs, m = runs[r + 1] - runs[r];
-    cost[it + 1] = cost[it] + static_cast<double>(m) * static_cast<double>(base[runs[r]] + m);
-  }
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  const std::vector<int64_t> runs = slot_runs(slots, base, n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  for_items(runs, base, kv, [&](int64_t first, int64_t last) {
     std::vector<Vec> qv;  // the item's queries, widened
     std::vector<float> scores;
     alignas(64) __m512 block[16][NV];
-    for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-      const int64_t first = std::lower_bound(cost.begin(), cost.end(), cost[items] * chunk / chunks) - cost.begin();
-      const int64_t last = chunk + 1 == chunks ? items
-          : std::lower_bound(cost.begin(), cost.end(), cost[items] * (chunk + 1) / chunks) - cost.begin();
+    {
       for (int64_t it = first; it < last; ++it) {
         const int64_t r = it % num_runs, j = it / num_runs, i0 = runs[r], m = runs[r + 1] - i0;
         const int64_t prefix = base[i0], nq = m * g, stride = (prefix + 15) / 16 * 16 + 64;
@@ -145,21 +178,8 @@ void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slot
           }
         }
         float inv_sum[64 * 64];
-        for (int64_t qi = 0; qi < nq; ++qi) {  // 2. softmax, in 16 lanes (a scalar running sum kept it unvectorised)
-          float* sq = scores.data() + qi * stride;
-          const int64_t len = prefix + na[qi / g];
-          __m512 top16 = _mm512_set1_ps(sq[0]);
-          int64_t k = 0;
-          for (; k + 16 <= len; k += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(sq + k));
-          float top = _mm512_reduce_max_ps(top16);
-          for (; k < len; ++k) top = sq[k] > top ? sq[k] : top;
-          for (k = 0; k < len; ++k) sq[k] = exp_approx(sq[k] - top);
-          __m512 sum16 = _mm512_setzero_ps();
-          for (k = 0; k + 16 <= len; k += 16) sum16 = _mm512_add_ps(sum16, _mm512_loadu_ps(sq + k));
-          float sum = _mm512_reduce_add_ps(sum16);
-          for (; k < len; ++k) sum += sq[k];
-          inv_sum[qi] = 1.f / sum;
-        }
+        for (int64_t qi = 0; qi < nq; ++qi)  // 2. softmax
+          inv_sum[qi] = softmax_row(scores.data() + qi * stride, prefix + na[qi / g]);
         for (int64_t q0 = 0; q0 < nq; q0 += GC) {  // 3. values
           const int64_t qc = std::min<int64_t>(GC, nq - q0);
           __m512 acc[GC][NV];
@@ -194,6 +214,244 @@ void tree_attention_rows(const T* q, const T* cache, T* out, const int64_t* slot
     }
   });
 }
+
+#ifdef RHYMERL_TILES
+using BF16 = c10::BFloat16;
+
+// 16 rows of 16 dwords, transposed in place: lane j of row i <-> lane i of row j.
+__attribute__((target("avx512f"))) inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of dwords
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes, rows 4 apart
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {  // 128-bit lanes, rows 8 apart
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Keys rows[0..15] (nullptr: a zero key), dims [32c, 32c + 32) -> the B tile of QK^T: row r holds dims
+// 2r, 2r + 1 of each of the 16 keys (a dword transpose).
+__attribute__((target("avx512f"))) inline void key_tile(const BF16* const* rows, int c, BF16* dst) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * c) : _mm512_setzero_si512();
+  transpose16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 32 * i, r[i]);
+}
+
+// Values rows[0..31] (nullptr: zero), dims [16f, 16f + 16) -> the B tile of PV: row r holds, per dim, the
+// values of keys 2r and 2r + 1.
+__attribute__((target("avx512f"))) inline void value_tile(const BF16* const* rows, int f, BF16* dst) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int r = 0; r < 16; ++r) {
+    const BF16 *a = rows[2 * r], *b = rows[2 * r + 1];
+    const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * f))) : zero;
+    const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * f))) : zero;
+    _mm512_storeu_si512(dst + 32 * r, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// C += A B for the 16 x 32 bf16 A at a (row stride lda bytes) and the packed B tile at b: tiles 4 and 6.
+#define RHYMERL_TILE_DP(C, a, lda, b)                  \
+  do {                                                 \
+    _tile_loadd(4, (a), (lda));                        \
+    _tile_loadd(6, (b), 64);                           \
+    _tile_dpbf16ps(C, 4, 6);                           \
+  } while (0)
+
+// The bf16 kernel on AMX tiles (where tile_linear_supported()): the same work items, keys and softmax as
+// tree_attention_rows, with QK^T and PV as tile products. Each query's keys are its logical sequence:
+// the prefix [0, base), then its ancestors in order (their scores and values gathered next to the prefix),
+// in blocks of 32 counted from key 0. A block wholly inside the prefix is shared by the item's queries
+// (one product for all of them); the others are each token's own. Every tile row's result depends only on
+// that row and the block, and the PV accumulators carry from block to block in order, so a token verified
+// in a tree and the same token decoded later (whose blocks are all prefix) get the same bits. The
+// probabilities enter PV as bf16 (as in SDPA's bf16 kernels), their sum in fp32.
+template <int NW>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void tree_attention_tiles(
+    const BF16* q, const BF16* cache, BF16* out, const int64_t* slots, const int64_t* base, const int64_t* anc,
+    int64_t n, int64_t h, int64_t kv, int64_t s_slot, int64_t s_head, float scale, BF16* tile_cache,
+    int64_t* tile_blocks, int64_t num_blocks) {
+  constexpr int D = 32 * NW, DT = D / 16;  // head size, 16-dim output tiles per head
+  constexpr int64_t kBlock = (2 * NW + DT) * 512;  // a block's K^T tiles, then its V tiles
+  const int64_t g = h / kv;
+  const std::vector<int64_t> runs = slot_runs(slots, base, n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  for_items(runs, base, kv, [&](int64_t first, int64_t last) {
+    configure_tiles();
+    std::vector<BF16> qp, pb, local;  // queries [rows x D]; probabilities [rows x stride]; shared blocks' tiles
+    std::vector<float> scores, acc;     // [rows x stride]; PV accumulators [rows x D]
+    alignas(64) BF16 kt[2 * NW][512];   // a token's own block's K^T tiles: dims 32c.., keys 16 half..
+    alignas(64) BF16 vt[3 * DT][512];   // a token's own V tiles (at most 3 blocks: 31 prefix keys + 64)
+    alignas(64) float ct[4][256];
+    const BF16* rows[32];
+    for (int64_t it = first; it < last; ++it) {
+      const int64_t r = it % num_runs, j = it / num_runs, i0 = runs[r], m = runs[r + 1] - i0;
+      const int64_t prefix = base[i0], nq = m * g, nq16 = (nq + 15) / 16 * 16, shared = prefix / 32;
+      const BF16* keys = cache + slots[i0] * s_slot + j * s_head;
+      const BF16* values = cache + slots[i0] * s_slot + (kv + j) * s_head;
+      int64_t na[64], pos[64][64], len_max = prefix;  // each token's ancestors (positions in order)
+      for (int64_t t = 0; t < m; ++t) {
+        na[t] = 0;
+        for (uint64_t bits = static_cast<uint64_t>(anc[i0 + t]); bits; bits &= bits - 1)
+          pos[t][na[t]++] = prefix + __builtin_ctzll(bits);
+        len_max = std::max(len_max, prefix + na[t]);
+      }
+      // key k of token t's logical sequence, or nullptr past its end
+      auto key_row = [&](const BF16* kv_rows, int64_t t, int64_t k) -> const BF16* {
+        if (k < prefix) return kv_rows + k * D;
+        return k < prefix + na[t] ? kv_rows + pos[t][k - prefix] * D : nullptr;
+      };
+      const int64_t stride = (len_max + 31) / 32 * 32, rows_alloc = nq16 + 16;  // +16: a token's 16-row loads
+      qp.assign(rows_alloc * D, BF16(0.f));
+      for (int64_t t = 0; t < m; ++t)  // query t * g + gi is head j * g + gi of token i0 + t
+        std::memcpy(qp.data() + t * g * D, q + ((i0 + t) * h + j * g) * D, g * D * sizeof(BF16));
+      scores.resize(rows_alloc * stride);
+      // The shared blocks' tiles: kept in the slot's tile cache when there is one (filled up to the
+      // blocks that this step's prefix completes), else made for this call.
+      BF16* tiles;
+      int64_t ready = 0;
+      if (tile_cache != nullptr) {
+        TORCH_CHECK(shared <= num_blocks, "rhymerl native kernels: tree_attention's tile cache holds ", num_blocks,
+                    " blocks, slot ", slots[i0], " needs ", shared);
+        tiles = tile_cache + (slots[i0] * kv + j) * num_blocks * kBlock;
+        ready = std::min(tile_blocks[slots[i0] * kv + j], shared);
+      } else {
+        local.resize(std::max<int64_t>(shared, 1) * kBlock);
+        tiles = local.data();
+      }
+      for (int64_t b = ready; b < shared; ++b) {
+        BF16* tb = tiles + b * kBlock;
+        for (int k = 0; k < 32; ++k) rows[k] = keys + (32 * b + k) * D;
+        for (int c = 0; c < NW; ++c)
+          for (int half = 0; half < 2; ++half) key_tile(rows + 16 * half, c, tb + (2 * c + half) * 512);
+        for (int k = 0; k < 32; ++k) rows[k] = values + (32 * b + k) * D;
+        for (int f = 0; f < DT; ++f) value_tile(rows, f, tb + (2 * NW + f) * 512);
+      }
+      if (tile_cache != nullptr) tile_blocks[slots[i0] * kv + j] = std::max(ready, shared);
+      // 1. scores, scaled. Shared blocks: every query at once ...
+      for (int64_t b = 0; b < shared; ++b) {
+        const BF16* tb = tiles + b * kBlock;
+        for (int64_t q0 = 0; q0 < nq16; q0 += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int c = 0; c < NW; ++c) {
+            RHYMERL_TILE_DP(0, qp.data() + q0 * D + 32 * c, D * 2, tb + 2 * c * 512);
+            RHYMERL_TILE_DP(1, qp.data() + q0 * D + 32 * c, D * 2, tb + (2 * c + 1) * 512);
+          }
+          _tile_stored(0, ct[0], 64);
+          _tile_stored(1, ct[1], 64);
+          for (int64_t a = 0; a < 16; ++a)
+            for (int half = 0; half < 2; ++half)
+              _mm512_storeu_ps(scores.data() + (q0 + a) * stride + 32 * b + 16 * half,
+                               _mm512_mul_ps(_mm512_load_ps(ct[half] + 16 * a), _mm512_set1_ps(scale)));
+        }
+      }
+      // ... then each token's own blocks, for its g queries
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t b = shared; 32 * b < prefix + na[t]; ++b) {
+          for (int k = 0; k < 32; ++k) rows[k] = key_row(keys, t, 32 * b + k);
+          for (int c = 0; c < NW; ++c)
+            for (int half = 0; half < 2; ++half) key_tile(rows + 16 * half, c, kt[2 * c + half]);
+          _tile_zero(0);
+          _tile_zero(1);
+          for (int c = 0; c < NW; ++c) {
+            RHYMERL_TILE_DP(0, qp.data() + t * g * D + 32 * c, D * 2, kt[2 * c]);
+            RHYMERL_TILE_DP(1, qp.data() + t * g * D + 32 * c, D * 2, kt[2 * c + 1]);
+          }
+          _tile_stored(0, ct[0], 64);
+          _tile_stored(1, ct[1], 64);
+          for (int64_t a = 0; a < g; ++a)
+            for (int half = 0; half < 2; ++half)
+              _mm512_storeu_ps(scores.data() + (t * g + a) * stride + 32 * b + 16 * half,
+                               _mm512_mul_ps(_mm512_load_ps(ct[half] + 16 * a), _mm512_set1_ps(scale)));
+        }
+      // 2. softmax per query; the probabilities as bf16, zero past the query's end to its block's end
+      float inv_sum[64 * 64];
+      pb.assign(rows_alloc * stride, BF16(0.f));
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t len = prefix + na[qi / g];
+        float* sq = scores.data() + qi * stride;
+        inv_sum[qi] = softmax_row(sq, len);
+        BF16* pq = pb.data() + qi * stride;
+        for (int64_t k = 0; k < len; ++k) pq[k] = narrow<BF16>(sq[k]);
+      }
+      // 3. PV. Shared blocks: every query at once ...
+      acc.assign(rows_alloc * D, 0.f);
+      for (int64_t q0 = 0; q0 < nq16 && shared > 0; q0 += 16)
+        for (int f0 = 0; f0 < DT; f0 += 4) {  // 4 accumulator tiles: 64 dims at a time
+          _tile_zero(0);  // tile numbers are immediates: no loops over them
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t b = 0; b < shared; ++b) {
+            _tile_loadd(4, pb.data() + q0 * stride + 32 * b, stride * 2);
+            const BF16* vb = tiles + b * kBlock + (2 * NW + f0) * 512;
+            _tile_loadd(6, vb, 64); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(6, vb + 512, 64); _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(6, vb + 1024, 64); _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(6, vb + 1536, 64); _tile_dpbf16ps(3, 4, 6);
+          }
+          float* ab = acc.data() + q0 * D + 16 * f0;
+          _tile_stored(0, ab, D * 4);
+          _tile_stored(1, ab + 16, D * 4);
+          _tile_stored(2, ab + 32, D * 4);
+          _tile_stored(3, ab + 48, D * 4);
+        }
+      // ... then each token's own blocks, continuing its g queries' accumulators
+      for (int64_t t = 0; t < m; ++t) {
+        const int64_t len = prefix + na[t], own = (len + 31) / 32 - shared;
+        if (own <= 0) continue;
+        for (int64_t b = 0; b < own; ++b) {
+          for (int k = 0; k < 32; ++k) rows[k] = key_row(values, t, 32 * (shared + b) + k);
+          for (int f = 0; f < DT; ++f) value_tile(rows, f, vt[b * DT + f]);
+        }
+        for (int f0 = 0; f0 < DT; f0 += 4) {
+          float* ab = acc.data() + t * g * D + 16 * f0;
+          _tile_loadd(0, ab, D * 4);
+          _tile_loadd(1, ab + 16, D * 4);
+          _tile_loadd(2, ab + 32, D * 4);
+          _tile_loadd(3, ab + 48, D * 4);
+          for (int64_t b = 0; b < own; ++b) {
+            _tile_loadd(4, pb.data() + t * g * stride + 32 * (shared + b), stride * 2);
+            _tile_loadd(6, vt[b * DT + f0], 64); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(6, vt[b * DT + f0 + 1], 64); _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(6, vt[b * DT + f0 + 2], 64); _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(6, vt[b * DT + f0 + 3], 64); _tile_dpbf16ps(3, 4, 6);
+          }
+          _tile_stored(0, ct[0], 64);
+          _tile_stored(1, ct[1], 64);
+          _tile_stored(2, ct[2], 64);
+          _tile_stored(3, ct[3], 64);
+          for (int f = 0; f < 4; ++f)  // only this token's rows go back: the tile's others are other tokens'
+            for (int64_t a = 0; a < g; ++a) std::memcpy(ab + a * D + 16 * f, ct[f] + 16 * a, 64);
+        }
+      }
+      // 4. out = acc / sum, rounded once
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        BF16* o = out + ((i0 + qi / g) * h + j * g + qi % g) * D;
+        const float* a = acc.data() + qi * D;
+        for (int d = 0; d < D; ++d) o[d] = narrow<BF16>(a[d] * inv_sum[qi]);
+      }
+    }
+    release_tiles();
+  });
+}
+#undef RHYMERL_TILE_DP
+#endif  // RHYMERL_TILES
 #endif
 
 }  // namespace
@@ -207,12 +465,22 @@ bool tree_attention_supports(int64_t d, at::ScalarType dtype) {
 #endif
 }
 
+// Elements per (slot, KV head, 32-position block) of the tile cache that tree_attention keeps where it runs
+// on AMX tiles (bf16 on CPUs with AMX): the block's keys and values, rearranged. 0 elsewhere (no cache).
+int64_t tree_attention_block_elems(int64_t d, at::ScalarType dtype) {
+#if defined(RHYMERL_TREE_ATTENTION) && defined(RHYMERL_TILES)
+  if (tree_attention_supports(d, dtype) && dtype == at::kBFloat16 && tile_linear_supported()) return 2 * 32 * d;
+#endif
+  return 0;
+}
+
 // q [N, H, D] -> [N, H, D], or None where the kernel does not take the head size, dtype or CPU. Token i
 // attends to keys [0, base[i]) of slot slot_of[i] in cache [slots, 2KV, capacity, D] and to keys
 // base[i] + j for the set bits j of anc[i] (its ancestors in the step's tree and itself; this step's keys
 // and values already written). A slot's tokens are consecutive and share base.
 std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_of, const Tensor& base,
-                                     const Tensor& anc) {
+                                     const Tensor& anc, const std::optional<Tensor>& tiles,
+                                     const std::optional<Tensor>& tile_blocks) {
   check_cpu(q, "q");
   check_cpu(cache, "cache");
   const int64_t n = q.size(0), h = q.size(1), d = q.size(2), kv = cache.size(1) / 2;
@@ -245,6 +513,35 @@ std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const
     if (d == 64) run(type, std::integral_constant<int, 2>{});
     else run(type, std::integral_constant<int, 4>{});
   };
+#ifdef RHYMERL_TILES
+  if (tree_attention_block_elems(d, q.scalar_type()) > 0) {
+    BF16* tile_cache = nullptr;
+    int64_t* blocks = nullptr;
+    int64_t num_blocks = 0;
+    if (tiles) {
+      TORCH_CHECK(tile_blocks && tiles->dim() == 4 && tiles->size(0) == cache.size(0) && tiles->size(1) == kv &&
+                      tiles->size(3) == tree_attention_block_elems(d, q.scalar_type()) &&
+                      tiles->scalar_type() == at::kBFloat16 && tiles->is_contiguous() &&
+                      tile_blocks->scalar_type() == at::kLong && tile_blocks->is_contiguous() &&
+                      tile_blocks->numel() == cache.size(0) * kv,
+                  "rhymerl native kernels: tree_attention's tile cache must be [slots, KV, blocks, "
+                  "tree_attention_block_elems] bf16 with tile_blocks [slots, KV] int64");
+      tile_cache = tiles->mutable_data_ptr<BF16>();
+      blocks = tile_blocks->mutable_data_ptr<int64_t>();
+      num_blocks = tiles->size(2);
+    }
+    auto run_tiles = [&](auto nw) {
+      tree_attention_tiles<decltype(nw)::value>(
+          q.const_data_ptr<BF16>(), cache.const_data_ptr<BF16>(), out.mutable_data_ptr<BF16>(),
+          slot_of.const_data_ptr<int64_t>(), base.const_data_ptr<int64_t>(), anc.const_data_ptr<int64_t>(), n, h, kv,
+          cache.stride(0), cache.stride(1), static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), tile_cache,
+          blocks, num_blocks);
+    };
+    if (d == 64) run_tiles(std::integral_constant<int, 2>{});
+    else run_tiles(std::integral_constant<int, 4>{});
+    return out;
+  }
+#endif
   if (q.scalar_type() == at::kFloat) run_type(float{});
   else run_type(c10::BFloat16{});
 #endif
@@ -255,6 +552,8 @@ std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const
 
 TORCH_LIBRARY_FRAGMENT(rhymerl_native, m) {
   m.def("tree_attention_supports(int head_dim, ScalarType dtype) -> bool", &rhymerl_native::tree_attention_supports);
-  m.def("tree_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor base, Tensor anc) -> Tensor?",
+  m.def("tree_attention_block_elems(int head_dim, ScalarType dtype) -> int", &rhymerl_native::tree_attention_block_elems);
+  m.def("tree_attention(Tensor q, Tensor cache, Tensor slot_of, Tensor base, Tensor anc, Tensor(a!)? tiles=None, "
+        "Tensor(b!)? tile_blocks=None) -> Tensor?",
         &rhymerl_native::tree_attention);
 }
