@@ -1,6 +1,8 @@
 // Attention of a forward's small steps (decode rows, draft trees, chains of at most 64 tokens per slot)
 // without padding or mask, for AVX-512 CPUs; elsewhere `tree_attention_supports` is false and every step's
-// attention is SDPA's (engine/model_runner.py decides which groups it gets).
+// attention is SDPA's (engine/model_runner.py decides which groups it gets). In bf16 on CPUs with AMX the
+// products run on tiles (`tree_attention_tiles`), reading each slot's keys and values from a tile cache
+// that the engine keeps beside the KV cache (engine/kv_cache.py); else in fp32 AVX-512 arithmetic.
 #include <torch/library.h>
 
 #include "common.h"
@@ -264,12 +266,13 @@ __attribute__((target("avx512f"))) inline void value_tile(const BF16* const* row
   }
 }
 
-// C += A B for the 16 x 32 bf16 A at a (row stride lda bytes) and the packed B tile at b: tiles 4 and 6.
-#define RHYMERL_TILE_DP(C, a, lda, b)                  \
-  do {                                                 \
-    _tile_loadd(4, (a), (lda));                        \
-    _tile_loadd(6, (b), 64);                           \
-    _tile_dpbf16ps(C, 4, 6);                           \
+// Tile C += A B for the 16 x 32 bf16 A at a (row stride lda bytes) and the packed B tile at b, through
+// tiles 4 and 6. A macro: GCC's tile intrinsics paste the tile number into the instruction's text.
+#define RHYMERL_TILE_DP(C, a, lda, b) \
+  do {                                \
+    _tile_loadd(4, (a), (lda));       \
+    _tile_loadd(6, (b), 64);          \
+    _tile_dpbf16ps(C, 4, 6);          \
   } while (0)
 
 // The bf16 kernel on AMX tiles (where tile_linear_supported()): the same work items, keys and softmax as
