@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -258,8 +259,10 @@ def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
         spec_bench.run("unused", "fp32", (1.0,), history_from=tmp_path)
 
 
-def test_bench_e2e_rhymerl_side_curves_match(tiny_dir):
+def test_bench_e2e_rhymerl_side_curves_match(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     s = e2e_bench.run(str(tiny_dir), "fp32", num_prompts=4, prompts_per_step=2, num_generations=3,
                       max_completion_length=8, micro_batch_size=3, learning_rate=0.01, epochs=2, skip_trl=True)
     assert s["steps"] == 4 and s["reward_curve_max_abs_diff"] == 0.0
     assert len(s["runs"]["off"]["reward_by_step"]) == 4 and "trl" not in s["runs"]
+    assert not list(tmp_path.iterdir())  # the runs' directories (checkpoints: GBs for a real model) are gone

@@ -74,24 +74,27 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"reward.format_weight={format_weight}",
               f"rollout.num_slots={prompts_per_step * num_generations}", f"run.seed={seed}", "run.save_every=0",
               "run.progress=false", "run.tensorboard=false"]
-    work = Path(tempfile.mkdtemp(prefix="rhymerl-e2e-"))
-    results: dict = {}
-    if not skip_trl:
-        examples = builtin_examples("arithmetic", num_prompts, seed)
-        scorer = RewardScorer(format_weight)
+    # The runs' directories hold their final checkpoints (GBs for a real model) and no figure we report:
+    # removed when the runs are done.
+    with tempfile.TemporaryDirectory(prefix="rhymerl-e2e-") as tmp:
+        work = Path(tmp)
+        results: dict = {}
+        if not skip_trl:
+            examples = builtin_examples("arithmetic", num_prompts, seed)
+            scorer = RewardScorer(format_weight)
 
-        def reward_fn(texts: list[str], truths: list[str]) -> list[float]:
-            return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths]).rewards
+            def reward_fn(texts: list[str], truths: list[str]) -> list[float]:
+                return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths]).rewards
 
-        trl = run_trl_grpo(model_dir, [ex.messages() for ex in examples], [ex.ground_truth for ex in examples],
-                           reward_fn, num_generations=num_generations, prompts_per_step=prompts_per_step,
-                           micro_batch_size=micro_batch_size, max_completion_length=max_completion_length,
-                           learning_rate=learning_rate, steps=steps, dtype=dtype, seed=seed, temperature=temperature,
-                           output_dir=work / "trl")
-        results["trl"] = _summarise(trl.step_s, trl.rollout_s, trl.reward_mean, steps_per_epoch)
-        results["trl"]["trl_version"] = trl.trl_version
-    for mode in ("off", "histospec"):
-        results[mode] = run_rhymerl(common + [f"rollout.speculative={mode}"], work / mode, steps_per_epoch)
+            trl = run_trl_grpo(model_dir, [ex.messages() for ex in examples], [ex.ground_truth for ex in examples],
+                               reward_fn, num_generations=num_generations, prompts_per_step=prompts_per_step,
+                               micro_batch_size=micro_batch_size, max_completion_length=max_completion_length,
+                               learning_rate=learning_rate, steps=steps, dtype=dtype, seed=seed, temperature=temperature,
+                               output_dir=work / "trl")
+            results["trl"] = _summarise(trl.step_s, trl.rollout_s, trl.reward_mean, steps_per_epoch)
+            results["trl"]["trl_version"] = trl.trl_version
+        for mode in ("off", "histospec"):
+            results[mode] = run_rhymerl(common + [f"rollout.speculative={mode}"], work / mode, steps_per_epoch)
 
     off, spec = results["off"], results["histospec"]
     diff = max(abs(a - b) for a, b in zip(off["reward_by_step"], spec["reward_by_step"]))

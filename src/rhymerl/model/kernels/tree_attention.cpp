@@ -275,14 +275,15 @@ __attribute__((target("avx512f"))) inline void value_tile(const BF16* const* row
     _tile_dpbf16ps(C, 4, 6);          \
   } while (0)
 
-// The bf16 kernel on AMX tiles (where tile_linear_supported()): the same work items, keys and softmax as
-// tree_attention_rows, with QK^T and PV as tile products. Each query's keys are its logical sequence:
-// the prefix [0, base), then its ancestors in order (their scores and values gathered next to the prefix),
-// in blocks of 32 counted from key 0. A block wholly inside the prefix is shared by the item's queries
-// (one product for all of them); the others are each token's own. Every tile row's result depends only on
-// that row and the block, and the PV accumulators carry from block to block in order, so a token verified
-// in a tree and the same token decoded later (whose blocks are all prefix) get the same bits. The
-// probabilities enter PV as bf16 (as in SDPA's bf16 kernels), their sum in fp32.
+// The bf16 kernel on AMX tiles (where tile_linear_supported(), for at most 16 query heads per KV head):
+// the same work items, keys and softmax as tree_attention_rows, with QK^T and PV as tile products. Each
+// query's keys are its logical sequence: the prefix [0, base), then its ancestors in order (their scores
+// and values gathered next to the prefix), in blocks of 32 counted from key 0. A block wholly inside the
+// prefix is shared by the item's queries (one product for all of them); the others are each token's own.
+// Every tile row's result depends only on that row and the block, and the PV accumulators carry from
+// block to block in order, so a token verified in a tree and the same token decoded later (whose blocks
+// are all prefix) get the same bits. The probabilities enter PV as bf16 (as in SDPA's bf16 kernels),
+// their sum in fp32.
 template <int NW>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void tree_attention_tiles(
     const BF16* q, const BF16* cache, BF16* out, const int64_t* slots, const int64_t* base, const int64_t* anc,
@@ -517,7 +518,9 @@ std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const
     else run(type, std::integral_constant<int, 4>{});
   };
 #ifdef RHYMERL_TILES
-  if (tree_attention_block_elems(d, q.scalar_type()) > 0) {
+  // A token's query heads of one KV head must fit one tile's 16 rows (h / kv <= 16; else AVX-512, for
+  // decoding and verification alike, so both still round alike).
+  if (tree_attention_block_elems(d, q.scalar_type()) > 0 && h / kv <= 16) {
     BF16* tile_cache = nullptr;
     int64_t* blocks = nullptr;
     int64_t num_blocks = 0;
