@@ -54,7 +54,8 @@ class KVCache:
         self.tile_blocks[:, index] = torch.minimum(self.tile_blocks[:, index], keep[None, :, None])
 
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Memory held: the KV cache, and the tile cache where there is one (as large again)."""
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.tiles) if t is not None)
 
     def commit(self, slot: int, base: int, path: list[int]) -> None:
         """Keep draft nodes `path` (indices into the step's tokens, increasing) as committed tokens
