@@ -62,7 +62,7 @@ class KVCache:
         `base, base+1, ...` of `slot`, in every layer at once."""
         if path == list(range(len(path))):
             return  # already in place (a chain accepted from its start)
-        self.forget_tiles([slot], [base])
+        # No forget_tiles: the tile cache holds only blocks below the step's base, and this writes from it on.
         src = torch.tensor(path, device=self.kv.device) + base
         dst = torch.arange(base, base + len(path), device=self.kv.device)
         # The right-hand side gathers into a new tensor first, so overlapping src/dst is safe.
