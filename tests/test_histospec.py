@@ -5,7 +5,8 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import PROBE_EVERY, PROBE_MAX, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel, DoublingLength, Speculator, _edge_events, is_probe_step, verify
+from rhymerl.engine.speculator import (PROBE_EVERY, PROBE_MAX, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel, DoublingLength,
+                                      Speculator, _edge_events, _top_nodes, _uniform_cap, is_probe_step, verify)
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
@@ -273,6 +274,51 @@ def test_budget_discounts_deep_nodes_per_edge():
     assert spec.edge_calibration() == [0.5] * 32  # the prior, before any verification
     (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
     assert draft.tokens == response[:2]
+
+
+def test_budget_takes_the_steps_best_nodes_while_requests_wait_and_caps_every_draft_in_the_drain():
+    """A copying sequence (nodes worth 0.9 tokens) beside a poorly matched one (0.1), a forward that
+    grows 10% per draft token: while requests wait the step's best nodes are all the copying sequence's
+    and the other drafts nothing (throughput); in the drain every draft gets the same cap, so the
+    sequence that will finish last is not starved."""
+    ranked = [[0.9] * 10, [0.1] * 10]
+    cost = lambda extra: 1.0 + 0.1 * extra  # noqa: E731
+    keep = _top_nodes(ranked, cost, plain_rate=2.0)
+    assert keep[1] == 0 and keep[0] >= 8
+    assert _uniform_cap(ranked, cost, plain_rate=2.0) == [10, 10]
+    # nothing pays when a draft token costs as much as a forward
+    steep = lambda extra: 1.0 + 1.0 * extra  # noqa: E731
+    assert _top_nodes(ranked, steep, plain_rate=2.0) == [0, 0] == _uniform_cap(ranked, steep, plain_rate=2.0)
+
+
+def test_engine_tells_the_budget_when_the_rollout_drains(model):
+    """`draining` is False while a request waits for a slot and True once none does."""
+    history = HistoryStore()
+    prompts = random_prompts(6, seed=40)
+    eng = engine(model, "histospec", history, slots=2)
+    seen = []
+    propose = eng.speculator.propose
+    eng.speculator.propose = lambda *a, draining=False: seen.append((len(eng.scheduler.waiting), draining)) or propose(*a, draining=draining)
+    eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+    assert seen and all(d == (w == 0) for w, d in seen)
+    assert {d for _, d in seen} == {False, True}
+
+
+def test_calibration_is_kept_per_match_class():
+    """Drafts from whole-window matches that are followed and 2-token matches that are not: each class
+    learns its own factor, and the pooled one lies between."""
+    prompt = list(range(1, 11))
+    spec = Speculator(CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]]), HistoryStore(), rule="cost",
+                      max_draft_tokens=8, correct_cost=False)
+    state = spec.start("g", prompt)
+    window = spec.drafter.max_window
+    for i in range(200):
+        chain = Draft(tokens=[5, 6, 7], parents=[-1, 0, 1], source="history", match_len=window if i % 2 else 2,
+                      probs=[1.0] * 3)
+        spec.record(state, chain, [0, 1, 2] if i % 2 else [])
+    full, short, pooled = spec.edge_calibration(1)[0], spec.edge_calibration(0)[0], spec.edge_calibration()[0]
+    assert full > 0.95 and short < 0.05
+    assert short < pooled < full
 
 
 def test_calibration_learns_that_deep_edges_continue_more_often():

@@ -245,7 +245,7 @@ class Engine:
             return drafts
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
-        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs))
+        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs), draining=not self.scheduler.waiting)
         for i, d in zip(decoding, proposed):
             drafts[i] = d
         return drafts

@@ -23,6 +23,7 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # a whole step's drafting, and at a high temperature that is every probe.
 PROBE_EVERY = 8
 PROBE_MAX = 64
+MATCH_CLASSES = 2  # edge calibration kept apart for drafts from short matches and from whole-window ones
 
 
 def is_probe_step(idle: int) -> bool:
@@ -191,8 +192,10 @@ class Speculator:
         # response that has followed its history for 10 tokens is copying a span and likely goes on, while
         # the first edge is where most drafts fail; one constant c (c**k) made long chains look worth far
         # less than they are and kept the tail's drafts short.
-        self._calib_num = [0.0] * (max_draft_tokens + 1)  # decayed continuations seen at each depth
-        self._calib_den = [0.0] * (max_draft_tokens + 1)  # decayed continuations predicted at each depth
+        # Also by match class (`match_class`): a draft whose match filled the drafter's whole window is
+        # followed more often than one from a 2-token match.
+        self._calib_num = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # decayed continuations seen
+        self._calib_den = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # ... and predicted
         # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
         # drafting itself is skipped except on probe steps (`is_probe_step`).
         self._idle: dict[int, int] = {}
@@ -232,15 +235,21 @@ class Speculator:
         self._pending = None
         return True
 
-    def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int) -> list[Draft]:
-        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to the per-sequence
-        size that maximises expected committed tokens per second of forward time.
+    def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int,
+                draining: bool = False) -> list[Draft]:
+        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to what maximises
+        expected committed tokens per second of forward time; `seqs` sequences feed `base_tokens` tokens
+        without drafts. Nothing (plain decoding) wins whenever drafts do not pay (a full batch, poor
+        matches, high temperature). Which nodes compete depends on `draining`:
 
-        The budget is a per-step cap c on each sequence's draft (its c most valuable nodes), and a step
-        is costed as the measured `seqs` sequences x (1 + c) tokens: the cost model is measured on such
-        uniform shapes, and a budget across sequences (the k best nodes of the whole step, so a few
-        sequences draft deep) made steps uneven and was slower (docs/benchmarks.md). c = 0, plain
-        decoding, wins whenever drafts do not pay (a full batch, poor matches, high temperature)."""
+        - requests still waiting for a slot (False): the step's most valuable nodes, whichever sequences
+          they belong to (`_top_nodes`). Any committed token is worth the same then, so throughput is what
+          counts, and a copying sequence drafts deep while a poorly matched one drafts nothing.
+        - nothing waiting (True, the drain): a cap c on every sequence's draft (`_uniform_cap`). The
+          slowest sequence now decides when the rollout ends, and it is typically the poorly matched
+          one, which a budget by value alone would starve.
+
+        Measured with `rhymerl bench spec` (docs/benchmarks.md, tenth session)."""
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
@@ -248,46 +257,50 @@ class Speculator:
             s.flush()
         drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own, max_tokens=s.length)
                   for ctx, s in zip(contexts, specs)]
-        reach = self.depth_discounts()
+        reach = [self.depth_discounts(c) for c in range(MATCH_CLASSES)]
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
         # (path probability and the depth discount both shrink), and ties go to the lower index (parents
         # come first), so every prefix of this order is a rooted subtree.
-        values = [[p * reach[k] for p, k in zip(d.probs, d.depths())] for d in drafts]
+        values = [[p * reach[self.match_class(d.match_len)][k] for p, k in zip(d.probs, d.depths())] for d in drafts]
         order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
-        gains = [_prefix_sums([v[j] for j in o]) for v, o in zip(values, order)]
-        n_dec = len(contexts)
         plain_cost = self.cost(base_tokens, seqs)
-        draft_scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
-        best_c, best_rate, best_cost = 0, n_dec / plain_cost, plain_cost
-        longest = max((len(d.tokens) for d in drafts), default=0)
-        for c in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
-            if c > longest:
-                break
-            gain = sum(g[min(c, len(g) - 1)] for g in gains)
-            cost = self.cost(seqs * (1 + c), seqs)
-            rate = (n_dec + gain) / (cost * draft_scale)
-            if rate > best_rate:
-                best_c, best_rate, best_cost = c, rate, cost
-        self._pending = (bucket, best_c > 0, best_cost)
-        self._idle[bucket] = 0 if best_c > 0 else idle + 1
-        out = [_prune(d, set(o[:best_c])) for d, o in zip(drafts, order)]
+        # measured/predicted time of drafting steps relative to plain ones (observe_step)
+        scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        plan = _uniform_cap if draining else _top_nodes
+        keep = plan([[v[j] for j in o] for v, o in zip(values, order)],
+                    lambda extra: self.cost(base_tokens + extra, seqs) * scale, len(contexts) / plain_cost)
+        drafting = any(keep)
+        self._pending = (bucket, drafting, self.cost(base_tokens + sum(keep), seqs))
+        self._idle[bucket] = 0 if drafting else idle + 1
+        out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
         self.stats.draft_s += time.perf_counter() - t0
         return out
 
-    def edge_calibration(self) -> list[float]:
-        """c_d for d = 0..max_draft_tokens-1: the calibrated continuation factor out of depth d. Each depth's
-        estimate is shrunk towards the one above it (weight of one observation; 0.5 at depth 0), so depths
-        rarely verified borrow from their parents instead of from a fixed guess."""
-        out, prior = [], 0.5
-        for num, den in zip(self._calib_num, self._calib_den):
-            prior = min((num + prior) / (den + 1.0), 1.0)
-            out.append(prior)
-        return out[:-1]
+    def match_class(self, match_len: int) -> int:
+        """0: the draft's match was shorter than the drafter's window; 1: it filled the window (the more
+        reliable drafts: in `bench spec` at T=0.3 the first edge held ~0.9 of its share against ~0.65)."""
+        return int(match_len >= self.drafter.max_window)
 
-    def depth_discounts(self) -> list[float]:
+    def edge_calibration(self, match_class: int | None = None) -> list[float]:
+        """c_d for d = 0..max_draft_tokens-1: the calibrated continuation factor out of depth d, for drafts
+        of `match_class` (None: all drafts pooled). Estimates are shrunk (weight of one observation) so that
+        what is rarely verified borrows: pooled, each depth towards the one above it (depth 0 towards
+        0.5); a class, each depth towards the pooled estimate of that depth."""
+        num = [sum(c) for c in zip(*self._calib_num)]
+        den = [sum(c) for c in zip(*self._calib_den)]
+        pooled, prior = [], 0.5
+        for n, d in zip(num, den):
+            prior = min((n + prior) / (d + 1.0), 1.0)
+            pooled.append(prior)
+        if match_class is not None:
+            pooled = [min((n + p) / (d + 1.0), 1.0)
+                      for n, d, p in zip(self._calib_num[match_class], self._calib_den[match_class], pooled)]
+        return pooled[:-1]
+
+    def depth_discounts(self, match_class: int | None = None) -> list[float]:
         """[max_draft_tokens + 1]: entry k = c_0 * ... * c_{k-1}, the factor on a depth-k node's share."""
         out = [1.0]
-        for c in self.edge_calibration():
+        for c in self.edge_calibration(match_class):
             out.append(out[-1] * c)
         return out
 
@@ -313,11 +326,49 @@ class Speculator:
         spec.accepted += n_acc
         # Edge calibration: at each node the walk reached, the drafter predicted the walk would continue
         # with probability (sum of the children's shares); it did continue at every node but the last.
+        num, den = self._calib_num[self.match_class(draft.match_len)], self._calib_den[self.match_class(draft.match_len)]
         for d, (predicted, continued) in enumerate(_edge_events(draft, accepted_nodes)):
-            self._calib_num[d] = 0.99 * self._calib_num[d] + continued
-            self._calib_den[d] = 0.99 * self._calib_den[d] + predicted
+            num[d] = 0.99 * num[d] + continued
+            den[d] = 0.99 * den[d] + predicted
         depth = max(draft.depths())
         spec.length = self.rule.next(spec.length, depth, n_acc)
+
+
+def _uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> list[int]:
+    """The cap c on every draft (each sequence's c most valuable nodes) that maximises committed tokens per
+    second, against plain decoding's rate. ranked: per draft, its node values (expected accepted tokens)
+    in decreasing order; cost(n): the step's predicted time with n draft tokens. Returns the nodes kept
+    per draft."""
+    gains = [_prefix_sums(v) for v in ranked]
+    n_dec = len(ranked)
+    best_c, best_rate = 0, plain_rate
+    longest = max(map(len, ranked), default=0)
+    for c in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
+        if c > longest:
+            break
+        rate = (n_dec + sum(g[min(c, len(g) - 1)] for g in gains)) / cost(sum(min(c, len(v)) for v in ranked))
+        if rate > best_rate:
+            best_c, best_rate = c, rate
+    return [min(best_c, len(v)) for v in ranked]
+
+
+def _top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> list[int]:
+    """The k most valuable nodes of the whole step, with k maximising committed tokens per second, against
+    plain decoding's rate. Each draft keeps a prefix of its ranking (the sort is stable), so a rooted
+    subtree. Same arguments and result as `_uniform_cap`."""
+    flat = sorted(((x, i) for i, v in enumerate(ranked) for x in v), key=lambda t: -t[0])
+    gain = _prefix_sums([x for x, _ in flat])
+    best_k, best_rate = 0, plain_rate
+    for k in sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, len(flat)}):
+        if k > len(flat):
+            break
+        rate = (len(ranked) + gain[k]) / cost(k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    keep = [0] * len(ranked)
+    for _, i in flat[:best_k]:
+        keep[i] += 1
+    return keep
 
 
 def _prefix_sums(xs: list[float]) -> list[float]:
