@@ -261,7 +261,8 @@ class Speculator:
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
         # (path probability and the depth discount both shrink), and ties go to the lower index (parents
         # come first), so every prefix of this order is a rooted subtree.
-        values = [[p * reach[self.match_class(d.match_len)][k] for p, k in zip(d.probs, d.depths())] for d in drafts]
+        discounts = [reach[self.match_class(d.match_len)] for d in drafts]
+        values = [[p * r[k] for p, k in zip(d.probs, d.depths())] for d, r in zip(drafts, discounts)]
         order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
         plain_cost = self.cost(base_tokens, seqs)
         # measured/predicted time of drafting steps relative to plain ones (observe_step)
