@@ -283,12 +283,12 @@ def test_budget_takes_the_steps_best_nodes_while_requests_wait_and_caps_every_dr
     sequence that will finish last is not starved."""
     ranked = [[0.9] * 10, [0.1] * 10]
     cost = lambda extra: 1.0 + 0.1 * extra  # noqa: E731
-    keep = _top_nodes(ranked, cost, plain_rate=2.0)
-    assert keep[1] == 0 and keep[0] >= 8
-    assert _uniform_cap(ranked, cost, plain_rate=2.0) == [10, 10]
+    keep, extra = _top_nodes(ranked, cost, plain_rate=2.0)
+    assert keep[1] == 0 and keep[0] >= 8 and extra == sum(keep)
+    assert _uniform_cap(ranked, cost, plain_rate=2.0) == ([10, 10], 20)
     # nothing pays when a draft token costs as much as a forward
     steep = lambda extra: 1.0 + 1.0 * extra  # noqa: E731
-    assert _top_nodes(ranked, steep, plain_rate=2.0) == [0, 0] == _uniform_cap(ranked, steep, plain_rate=2.0)
+    assert _top_nodes(ranked, steep, plain_rate=2.0) == ([0, 0], 0) == _uniform_cap(ranked, steep, plain_rate=2.0)
 
 
 def test_engine_tells_the_budget_when_the_rollout_drains(model):

@@ -268,10 +268,10 @@ class Speculator:
         # measured/predicted time of drafting steps relative to plain ones (observe_step)
         scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
         plan = _uniform_cap if draining else _top_nodes
-        keep = plan([[v[j] for j in o] for v, o in zip(values, order)],
-                    lambda extra: self.cost(base_tokens + extra, seqs) * scale, len(contexts) / plain_cost)
+        keep, extra = plan([[v[j] for j in o] for v, o in zip(values, order)],
+                           lambda extra: self.cost(base_tokens + extra, seqs) * scale, len(contexts) / plain_cost)
         drafting = any(keep)
-        self._pending = (bucket, drafting, self.cost(base_tokens + sum(keep), seqs))
+        self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
         self._idle[bucket] = 0 if drafting else idle + 1
         out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
         self.stats.draft_s += time.perf_counter() - t0
@@ -327,7 +327,8 @@ class Speculator:
         spec.accepted += n_acc
         # Edge calibration: at each node the walk reached, the drafter predicted the walk would continue
         # with probability (sum of the children's shares); it did continue at every node but the last.
-        num, den = self._calib_num[self.match_class(draft.match_len)], self._calib_den[self.match_class(draft.match_len)]
+        cls = self.match_class(draft.match_len)
+        num, den = self._calib_num[cls], self._calib_den[cls]
         for d, (predicted, continued) in enumerate(_edge_events(draft, accepted_nodes)):
             num[d] = 0.99 * num[d] + continued
             den[d] = 0.99 * den[d] + predicted
@@ -335,11 +336,11 @@ class Speculator:
         spec.length = self.rule.next(spec.length, depth, n_acc)
 
 
-def _uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> list[int]:
+def _uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> tuple[list[int], int]:
     """The cap c on every draft (each sequence's c most valuable nodes) that maximises committed tokens per
     second, against plain decoding's rate. ranked: per draft, its node values (expected accepted tokens)
-    in decreasing order; cost(n): the step's predicted time with n draft tokens. Returns the nodes kept
-    per draft."""
+    in decreasing order; cost(n): the step's predicted time with n draft tokens. Returns (the nodes kept
+    per draft, the draft tokens the step was costed at)."""
     gains = [_prefix_sums(v) for v in ranked]
     n_dec = len(ranked)
     best_c, best_rate = 0, plain_rate
@@ -347,13 +348,15 @@ def _uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> list[int
     for c in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, longest}):
         if c > longest:
             break
-        rate = (n_dec + sum(g[min(c, len(g) - 1)] for g in gains)) / cost(sum(min(c, len(v)) for v in ranked))
+        # costed as if every draft had c nodes: pessimistic for short drafts, which keeps marginal
+        # drafting (a high temperature, where drafts barely pay) from slowing the drain down
+        rate = (n_dec + sum(g[min(c, len(g) - 1)] for g in gains)) / cost(n_dec * c)
         if rate > best_rate:
             best_c, best_rate = c, rate
-    return [min(best_c, len(v)) for v in ranked]
+    return [min(best_c, len(v)) for v in ranked], n_dec * best_c
 
 
-def _top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> list[int]:
+def _top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> tuple[list[int], int]:
     """The k most valuable nodes of the whole step, with k maximising committed tokens per second, against
     plain decoding's rate. Each draft keeps a prefix of its ranking (the sort is stable), so a rooted
     subtree. Same arguments and result as `_uniform_cap`."""
@@ -369,7 +372,7 @@ def _top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> list[int]:
     keep = [0] * len(ranked)
     for _, i in flat[:best_k]:
         keep[i] += 1
-    return keep
+    return keep, best_k
 
 
 def _prefix_sums(xs: list[float]) -> list[float]:
