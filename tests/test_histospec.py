@@ -217,7 +217,8 @@ def test_probe_steps_thin_out():
 
 
 def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
-    """After PROBE_EVERY steps with a zero budget the drafter only runs on probe steps."""
+    """After PROBE_EVERY steps with a zero budget the drafter only runs on probe steps, and within those a
+    sequence whose drafts were cut to nothing PROBE_EVERY times in a row drafts every PROBE_EVERY-th time."""
     prompts = random_prompts(2, seed=25)
     params = SamplingParams(temperature=0, max_tokens=80)
     eng = engine(model, "histospec", history_of(model, prompts, params, n_gen=1), cost=STEEP, slots=2)
@@ -227,7 +228,30 @@ def test_drafting_is_mostly_skipped_once_it_stopped_paying(model):
     eng.generate(prompts, params)
     steps = eng.stats.forward_passes - 1  # the first step only prefills
     assert eng.speculator.stats.drafted == 0
-    assert 0 < len(calls) == 2 * sum(map(is_probe_step, range(steps))) <= 2 * (PROBE_EVERY + 4)
+    proposals = sum(map(is_probe_step, range(steps)))
+    per_seq = sum(1 for k in range(proposals) if k < PROBE_EVERY or k % PROBE_EVERY == 0)
+    assert 0 < len(calls) == 2 * per_seq <= 2 * (PROBE_EVERY + 4)
+
+
+def test_a_sequence_whose_drafts_are_never_kept_drafts_only_on_its_probes():
+    """Beside a sequence that copies its history, one that matches nothing: after PROBE_EVERY proposals
+    that kept none of its draft, the second is drafted only every PROBE_EVERY-th proposal, while the first
+    drafts at every one."""
+    prompt_a, prompt_b, response = list(range(1, 11)), list(range(40, 50)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt_a, [response])
+    cheap = CostModel([1, 2], [1, 64], [[1.0, 1.63], [1.0, 1.63]])  # +1% per draft token
+    spec = Speculator(cheap, history, rule="cost", max_draft_tokens=8, correct_cost=False)
+    a, b = spec.start("a", prompt_a), spec.start("b", prompt_b)
+    calls = []
+    draft = spec.drafter.draft
+    spec.drafter.draft = lambda ctx, **k: calls.append(ctx[0]) or draft(ctx, **k)
+    for _ in range(30):
+        kept = spec.propose([prompt_a[-8:], prompt_b[-8:]], [a, b], base_tokens=2, seqs=2)
+        assert kept[0].tokens and not kept[1].tokens
+    assert calls.count(prompt_a[-8]) == 30
+    assert calls.count(prompt_b[-8]) == sum(1 for k in range(30) if k < PROBE_EVERY or k % PROBE_EVERY == 0)
+    assert a.idle == 0 and b.idle == 30
 
 
 def test_indexes_catch_up_with_every_committed_token(model):

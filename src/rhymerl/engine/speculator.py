@@ -162,6 +162,13 @@ class SeqSpec:
     drafted: int = 0
     accepted: int = 0
     unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
+    idle: int = 0  # consecutive proposals in which the budget kept none of this sequence's draft
+
+    def drafts_now(self) -> bool:
+        """After PROBE_EVERY proposals in a row with nothing of its draft kept, a sequence drafts only every
+        PROBE_EVERY-th time: at a high temperature most sequences match nothing useful, and drafting and
+        indexing them at every step cost more than the few tokens the others' drafts gain."""
+        return self.idle < PROBE_EVERY or self.idle % PROBE_EVERY == 0
 
     def flush(self) -> None:
         if self.unindexed:
@@ -253,10 +260,14 @@ class Speculator:
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
-        for s in specs:
-            s.flush()
-        drafts = [self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own, max_tokens=s.length)
-                  for ctx, s in zip(contexts, specs)]
+        drafts = []
+        for ctx, s in zip(contexts, specs):
+            if s.drafts_now():
+                s.flush()
+                drafts.append(self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own,
+                                                 max_tokens=s.length))
+            else:
+                drafts.append(Draft())
         reach = [self.depth_discounts(c) for c in range(MATCH_CLASSES)]
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
         # (path probability and the depth discount both shrink), and ties go to the lower index (parents
@@ -271,6 +282,8 @@ class Speculator:
         keep, extra = plan([[v[j] for j in o] for v, o in zip(values, order)],
                            lambda extra: self.cost(base_tokens + extra, seqs) * scale, len(contexts) / plain_cost)
         drafting = any(keep)
+        for s, n in zip(specs, keep):
+            s.idle = 0 if n else s.idle + 1
         self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
         self._idle[bucket] = 0 if drafting else idle + 1
         out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
