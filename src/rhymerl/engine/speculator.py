@@ -3,8 +3,8 @@
 Per step: every decoding sequence asks the drafter for a token tree (history -> siblings -> self), as
 large as its adaptive draft length allows; a cost model of the forward pass, measured at start-up, then
 keeps only the draft tokens whose expected acceptances buy more than the extra forward time they cost
-(with a full batch the forward is compute-bound and that is often none); the engine runs one forward
-over all slots; `verify` walks each tree with the policy's own draws (DESIGN 3.4).
+(`propose`: the step's best nodes while requests wait, the same cap for every tree in the drain); the
+engine runs one forward over all slots; `verify` walks each tree with the policy's own draws (DESIGN 3.4).
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class Speculator:
         scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
         plan = _uniform_cap if draining else _top_nodes
         keep, extra = plan([[v[j] for j in o] for v, o in zip(values, order)],
-                           lambda extra: self.cost(base_tokens + extra, seqs) * scale, len(contexts) / plain_cost)
+                           lambda n: self.cost(base_tokens + n, seqs) * scale, len(contexts) / plain_cost)
         drafting = any(keep)
         for s, n in zip(specs, keep):
             s.idle = 0 if n else s.idle + 1
