@@ -24,7 +24,7 @@ from rhymerl.data.dataset import DatasetError
 from rhymerl.engine.speculator import CostModel
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.rl.checkpoint import latest_checkpoint
-from rhymerl.rl.loop import TrainingRun, batch_indices
+from rhymerl.rl.loop import TrainingRun, batch_indices, deterministic_algorithms
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -266,3 +266,13 @@ def test_bench_e2e_rhymerl_side_curves_match(tiny_dir, tmp_path, monkeypatch):
     assert s["steps"] == 4 and s["reward_curve_max_abs_diff"] == 0.0
     assert len(s["runs"]["off"]["reward_by_step"]) == 4 and "trl" not in s["runs"]
     assert not list(tmp_path.iterdir())  # the runs' directories (checkpoints: GBs for a real model) are gone
+
+
+def test_the_update_runs_with_deterministic_algorithms_and_restores_the_setting():
+    """On a CPU the update's kernels were not reproducible across processes without torch's deterministic
+    algorithms (rl/loop.py: deterministic_algorithms); the setting is scoped to the update."""
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before

@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -87,6 +88,23 @@ def make_cuda_deterministic() -> None:
     share their prompt's rows; torch has order-fixed versions of them. cuBLAS needs a fixed workspace."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns instead of failing
+
+
+@contextmanager
+def deterministic_algorithms():
+    """torch's deterministic algorithms for the update (on a GPU they are on for the whole run: see
+    make_cuda_deterministic). On a CPU without them, the default job resumed twice from the same checkpoint
+    in two processes computed different gradients five steps later (grad norm 0.49011 against 0.48996; the
+    loss was the same to the last bit), so runs drifted apart; with them three such resumes agreed bit
+    for bit. Which kernel differs was not found. Only around the update: on for the whole run they also
+    slowed rollout (every empty tensor is filled first), whose rewards were identical in every resume
+    without them."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 class TrainingRun:
@@ -238,7 +256,8 @@ class TrainingRun:
         t2 = time.perf_counter()
         samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a)
                    for k, (o, a) in enumerate(zip(outs, adv.tolist()))]
-        metrics = self.trainer.update(samples)
+        with deterministic_algorithms():
+            metrics = self.trainer.update(samples)
         release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
         t3 = time.perf_counter()
         sync_weights(merged_parameters(self.model), self.rollout_model)
