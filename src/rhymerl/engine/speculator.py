@@ -162,11 +162,11 @@ class SeqSpec:
     drafted: int = 0
     accepted: int = 0
     unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
-    idle: int = 0  # consecutive proposals in which the budget kept none of this sequence's draft
+    idle: int = 0  # consecutive drafting steps that kept none of this sequence's draft (see Speculator.propose)
 
     def drafts_now(self) -> bool:
-        """After PROBE_EVERY proposals in a row with nothing of its draft kept, a sequence drafts only every
-        PROBE_EVERY-th time: at a high temperature most sequences match nothing useful, and drafting and
+        """After PROBE_EVERY drafting steps in a row that kept nothing of its draft, a sequence drafts only
+        every PROBE_EVERY-th time: at a high temperature most sequences match nothing useful, and drafting and
         indexing them at every step cost more than the few tokens the others' drafts gain."""
         return self.idle < PROBE_EVERY or self.idle % PROBE_EVERY == 0
 
@@ -260,14 +260,15 @@ class Speculator:
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
-        drafts = []
+        drafts, skipped = [], []
         for ctx, s in zip(contexts, specs):
-            if s.drafts_now():
+            skipped.append(not s.drafts_now())
+            if skipped[-1]:
+                drafts.append(Draft())
+            else:
                 s.flush()
                 drafts.append(self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own,
                                                  max_tokens=s.length))
-            else:
-                drafts.append(Draft())
         reach = [self.depth_discounts(c) for c in range(MATCH_CLASSES)]
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
         # (path probability and the depth discount both shrink), and ties go to the lower index (parents
@@ -282,8 +283,11 @@ class Speculator:
         keep, extra = plan([[v[j] for j in o] for v, o in zip(values, order)],
                            lambda n: self.cost(base_tokens + n, seqs) * scale, len(contexts) / plain_cost)
         drafting = any(keep)
-        for s, n in zip(specs, keep):
-            s.idle = 0 if n else s.idle + 1
+        # A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
+        # drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here
+        # too would compound the two schedules until no probe ever drafted again.
+        for s, n, skip in zip(specs, keep, skipped):
+            s.idle = 0 if n else s.idle + 1 if drafting or skip else s.idle
         self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
         self._idle[bucket] = 0 if drafting else idle + 1
         out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
