@@ -268,11 +268,25 @@ def test_bench_e2e_rhymerl_side_curves_match(tiny_dir, tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # the runs' directories (checkpoints: GBs for a real model) are gone
 
 
-def test_the_update_runs_with_deterministic_algorithms_and_restores_the_setting():
+def test_the_update_runs_with_deterministic_algorithms_and_the_rollout_without(tiny_dir, tmp_path, monkeypatch):
     """On a CPU the update's kernels were not reproducible across processes without torch's deterministic
-    algorithms (rl/loop.py: deterministic_algorithms); the setting is scoped to the update."""
+    algorithms (rl/loop.py: deterministic_algorithms). They are on for the update only (on for the rollout
+    they slowed it), and the setting is restored after it."""
+    seen = {}
+    cfg = load_config(None, _overrides(tiny_dir, tmp_path / "d", "train.total_steps=1", "val.every=0"))
+    run = TrainingRun(cfg, cost_model=FLAT)
+
+    def recording(name, fn):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, torch.are_deterministic_algorithms_enabled())
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(run.trainer, "update", recording("update", run.trainer.update))
+    monkeypatch.setattr(run.engine, "generate", recording("rollout", run.engine.generate))
     before = torch.are_deterministic_algorithms_enabled()
-    with deterministic_algorithms():
-        assert torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    run.run()
+    assert seen == {"update": True, "rollout": before}
     assert torch.are_deterministic_algorithms_enabled() == before
+    with deterministic_algorithms():
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one warns, not fails

@@ -82,10 +82,11 @@ def sync_weights(params: dict[str, torch.Tensor], dst: Decoder) -> None:
 
 
 def make_cuda_deterministic() -> None:
-    """Same seed, same run on a GPU too, as on a CPU: a resumed run repeats the uninterrupted one and
-    HistoSpec on or off learns the same thing (tests/test_training_loop.py). Some CUDA kernels add with
-    atomics in whatever order the threads arrive, e.g. the backward of the gather that lets GRPO siblings
-    share their prompt's rows; torch has order-fixed versions of them. cuBLAS needs a fixed workspace."""
+    """Same seed, same run on a GPU: a resumed run repeats the uninterrupted one and HistoSpec on or off
+    learns the same thing (tests/test_training_loop.py). Some CUDA kernels add with atomics in whatever
+    order the threads arrive, e.g. the backward of the gather that lets GRPO siblings share their prompt's
+    rows; torch has order-fixed versions of them. cuBLAS needs a fixed workspace. For the whole run (as
+    verified on an H100), where a CPU needs them only in the update (`deterministic_algorithms`)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns instead of failing
 
