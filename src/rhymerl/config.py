@@ -36,7 +36,7 @@ __all__ = [
 # `rhymerl train --help` is instant), hence copies of the torch modules' lists; tests/test_trainer.py checks
 # that each copy equals what the implementing module accepts.
 SPECULATIVE_MODES = ("histospec", "off")
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")
 DRAFT_RULES = ("aimd", "doubling", "cost")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
@@ -102,7 +102,8 @@ class RolloutSection:
     top_k: int = _opt(0, "top-k sampling (0 = off)")
     speculative: str = _opt("histospec", "speculative decoding from past rollouts", SPECULATIVE_MODES)
     num_slots: int = _opt(32, "sequences decoded concurrently by the engine")
-    dtype: str = _opt("bf16", "rollout engine weights", DTYPES)
+    dtype: str = _opt("auto", "rollout engine weights; auto = bf16 where the device has native bf16 matmuls "
+                      "(CUDA, CPUs with AVX-512 or AMX), else fp32", DTYPES)
     history_rollouts: int = _opt(4, "rollouts kept per prompt by the history store (drafting source)")
     max_draft_tokens: int = _opt(32, "longest draft proposed per step")
     draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; "
@@ -125,7 +126,8 @@ class TrainSection:
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.99, "AdamW beta2")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm (0 = off)")
-    dtype: str = _opt("bf16", "bf16 = autocast over fp32 master weights", DTYPES)
+    dtype: str = _opt("auto", "bf16 = autocast over fp32 master weights; auto = bf16 where the device has native "
+                      "bf16 matmuls, else fp32", DTYPES)
     num_iterations: int = _opt(1, "PPO epochs over each rollout batch (TRL's num_iterations)")
     recompute_logprobs: bool = _opt(True, "old log-probs from the trainer's own first forward (no extra pass; "
                                     "keeps training independent of speculation) instead of the rollout's")

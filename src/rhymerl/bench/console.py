@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from rich.console import Console
 
@@ -19,4 +21,14 @@ def device_fields(device: torch.device | str) -> dict:
     device = torch.device(device)
     if device.type == "cuda":
         return {"device": "cuda", "gpu": torch.cuda.get_device_name(device)}
-    return {"device": device.type, "threads": torch.get_num_threads()}
+    return {"device": device.type, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), which decides what the kernels can use (AMX, AVX-512)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()

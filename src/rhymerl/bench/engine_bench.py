@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from rhymerl.bench.console import device_fields, table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained, parse_dtype
+from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 
 DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 128}  # 4 requests per slot at 8 and 32, as in an RL rollout (prompts x generations >> slots)
@@ -51,9 +51,10 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine
 
 
-def run(model_name: str = "smollm2-135m", dtype: str = "bf16", batches=(1, 8, 32), num_prompts: int | None = None,
+def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32), num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         skip_hf: bool = False, device: str | None = None) -> dict:
+    dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
     device = next(model.parameters()).device
     hf_model = None if skip_hf else \

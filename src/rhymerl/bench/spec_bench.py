@@ -27,7 +27,7 @@ from rich.table import Table
 from rhymerl.bench.console import device_fields, table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.spec.history import HistoryStore
@@ -108,7 +108,7 @@ def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float)
     return round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3)
 
 
-def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
+def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
         seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1, device=None) -> dict:
     if repeats < 1:
@@ -126,6 +126,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
         run_history = HistoryStore()
         run_history.load_state_dict(history_state)
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
+    dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
     device = next(model.parameters()).device
     if run_history is not None:
@@ -133,7 +134,9 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
     else:
         prompts = load_prompts(tokenizer, data, num_prompts, seed)
     max_len = max(map(len, prompts)) + max_tokens
-    fp32 = load_pretrained(model_name, "fp32", device)[0] if identity_prompts else None
+    fp32 = None  # the identity check's model (and the fp32 tail's, when the timed runs are not fp32 already)
+    if identity_prompts:
+        fp32 = model if dtype == "fp32" else load_pretrained(model_name, "fp32", device)[0]
 
     def make(m, spec, history=None, n_slots=slots, length=max_len):
         return Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
@@ -190,7 +193,7 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
             # the tree walk, the commit), in ms per forward.
             "plain_ms_per_forward": _ms_per_forward(ps, "forward"), "spec_ms_per_forward": _ms_per_forward(ss, "forward"),
             "plain_other_ms_per_step": _ms_per_forward(ps, "other"), "spec_other_ms_per_step": _ms_per_forward(ss, "other"),
-            "identity_rate_bf16": round(identity(plain_all, spec_all), 3),
+            f"identity_rate_{dtype}": round(identity(plain_all, spec_all), 3),  # of the timed runs
         }
         if epoch_seeds > 1:
             row["speedup_by_seed"] = [_speedup(spec_st.generated_tokens, r["histospec"][1], plain_st.generated_tokens, r["off"][1])
@@ -207,8 +210,9 @@ def run(model_name="smollm2-135m", dtype="bf16", temperatures=(0.3, 0.6, 1.0), n
         row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0], "",
                          repeats))
         if fp32 is not None:
-            row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0],
-                             "_fp32", repeats))
+            if fp32 is not model:
+                row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids,
+                                 epoch2[0], "_fp32", repeats))
             sub = prompts[:identity_prompts]
             length = max(map(len, sub)) + identity_max_tokens
             p32 = SamplingParams(temperature=temp, max_tokens=identity_max_tokens, seed=seed + 2000)
@@ -230,12 +234,12 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     t = Table(title=f"HistoSpec, epoch 2: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts x "
                     f"{summary['num_generations']}, {summary['slots']} slots, max_tokens={summary['max_tokens']}")
     cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "tail fp32", "accept",
-            "tok/seq/fwd", "identity fp32", "identity bf16"]
+            "tok/seq/fwd", "identity fp32", f"identity {summary['dtype']}"]
     for c in cols:
         t.add_column(c, justify="right")
     for temp, r in summary["temperatures"].items():
         t.add_row(temp, str(r["entropy"]), str(r["plain_tok_s"]), str(r["spec_tok_s"]), f"{r['speedup']}x",
                   f"{r['tail_speedup']}x", f"{r['tail_speedup_fp32']}x" if "tail_speedup_fp32" in r else "-",
                   str(r["accept_rate"]), str(r["tokens_per_forward"]),
-                  str(r.get("identity_rate", "-")), str(r["identity_rate_bf16"]))
+                  str(r.get("identity_rate", "-")), str(r[f"identity_rate_{summary['dtype']}"]))
     console.print(t)

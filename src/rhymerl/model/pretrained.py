@@ -15,20 +15,40 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_pretrained(name_or_path: str, dtype: str = "bf16", device: str | None = None) -> tuple[Decoder, object, Path]:
+def has_fast_bf16(device: str | torch.device) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a CUDA GPU that supports bf16, or a CPU for which oneDNN
+    has bf16 kernels (AVX-512 or AMX on x86, BF16 on Arm). Elsewhere (an AVX2-only x86 such as AMD Zen 3) torch
+    falls back to a generic bf16 matmul, several times slower than fp32 (docs/benchmarks.md, eleventh session)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> str:
+    """The dtype `name` stands for on `device`: "auto" is "bf16" where bf16 matmuls are native
+    (`has_fast_bf16`), else "fp32"; any other name is returned as it is."""
+    if name != "auto":
+        return name
+    return "bf16" if has_fast_bf16(device) else "fp32"
+
+
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype of `name` (see DTYPES; "auto" as `resolve_dtype` decides for `device`)."""
+    name = resolve_dtype(name, device)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(DTYPES) + ['auto']}")
+    return DTYPES[name]
+
+
+def load_pretrained(name_or_path: str, dtype: str = "auto", device: str | None = None) -> tuple[Decoder, object, Path]:
     """(decoder in eval mode, its Hugging Face tokenizer, the resolved model directory)."""
     model_dir = resolve_model_dir(name_or_path)
-    model = load_decoder(model_dir, parse_dtype(dtype), device or default_device())
+    device = device or default_device()
+    model = load_decoder(model_dir, parse_dtype(dtype, device), device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return model, tokenizer, model_dir
 

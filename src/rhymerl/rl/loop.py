@@ -32,7 +32,7 @@ from rhymerl.engine.speculator import CostModel, SpecStats
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.model.pretrained import chat_prompt_ids
+from rhymerl.model.pretrained import chat_prompt_ids, parse_dtype, resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
@@ -135,7 +135,10 @@ class TrainingRun:
         self.ref_model = None
         if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
             self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
-        rollout_dtype = torch.bfloat16 if cfg.rollout.dtype == "bf16" else torch.float32
+        rollout_dtype = parse_dtype(cfg.rollout.dtype, device)
+        print(f"[model] {self.model_dir.name} on {device}: rollout in {resolve_dtype(cfg.rollout.dtype, device)}, "
+              f"update in {resolve_dtype(cfg.train.dtype, device)} (rollout.dtype={cfg.rollout.dtype}, "
+              f"train.dtype={cfg.train.dtype})", file=sys.stderr)
         self.rollout_model = copy.deepcopy(self.model).to(rollout_dtype).eval().requires_grad_(False)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)

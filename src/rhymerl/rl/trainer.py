@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from rhymerl.config import TrainSection
 from rhymerl.model.decoder import BranchAttention, Decoder
+from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.rl.losses import policy_loss
 
 
@@ -186,7 +187,8 @@ class PolicyTrainer:
         # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_completion_length = max_completion_length
-        self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        device = next(model.parameters()).device
+        self.autocast = torch.bfloat16 if resolve_dtype(cfg.dtype, device) == "bf16" else None
         params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel for the whole update instead of ~6 elementwise passes per parameter list
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
