@@ -193,7 +193,7 @@ def test_tree_attention_against_a_float64_reference(dtype, heads, kv_heads, head
     token sees its prefix and its own ancestors only. The cache past each slot's step holds NaN, which
     must not reach the output."""
     if not ops.tree_attention_supports(head_dim, dtype):
-        pytest.skip("tree attention not built for this CPU (it needs AVX-512): SDPA serves every step")
+        pytest.skip("no tree attention in this dtype on this CPU (bf16 needs AVX-512): SDPA serves every step")
     tree = [-1, 0, 0, 1, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5]  # 19 tokens, depth 16
     parents = [[-1], [-1], [-1], tree, list(range(-1, 63)), [-1], [-1, 0, 1]]
     bases = [0, 14, 16, 37, 0, 250, 17]
@@ -215,7 +215,7 @@ def test_a_verified_token_and_the_same_token_decoded_get_the_same_bits(dtype):
     """Tree attention's arithmetic per query depends only on its keys in order: a token on a draft-tree
     path and the same token decoded later, once its path is committed, attend identically."""
     if not ops.tree_attention_supports(64, dtype):
-        pytest.skip("tree attention not built for this CPU (it needs AVX-512)")
+        pytest.skip("no tree attention in this dtype on this CPU (bf16 needs AVX-512)")
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(1, 6, 80, 64, generator=g).to(dtype)
     q = torch.randn(4, 9, 64, generator=g).to(dtype)

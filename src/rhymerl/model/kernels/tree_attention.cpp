@@ -1,5 +1,6 @@
 // Attention of a forward's small steps (decode rows, draft trees, chains of at most 64 tokens per slot)
-// without padding or mask, for AVX-512 CPUs; elsewhere `tree_attention_supports` is false and every step's
+// without padding or mask: on AVX-512 CPUs in fp32 and bf16; elsewhere in fp32 by a portable version
+// (`tree_attention_rows_portable`), and in bf16 `tree_attention_supports` is false and every step's
 // attention is SDPA's (engine/model_runner.py decides which groups it gets). In bf16 on CPUs with AMX the
 // products run on tiles (`tree_attention_tiles`), reading each slot's keys and values from a tile cache
 // that the engine keeps beside the KV cache (engine/kv_cache.py); else in fp32 AVX-512 arithmetic.
@@ -75,6 +76,8 @@ inline float softmax_row(float* sq, int64_t len) {
   return 1.f / sum;
 }
 
+#endif  // RHYMERL_TREE_ATTENTION
+
 // Token index where each run of consecutive tokens of one slot (same slot, same base) starts, then n.
 std::vector<int64_t> slot_runs(const int64_t* slots, const int64_t* base, int64_t n) {
   std::vector<int64_t> runs;
@@ -107,6 +110,8 @@ void for_items(const std::vector<int64_t>& runs, const int64_t* base, int64_t kv
     }
   });
 }
+
+#ifdef RHYMERL_TREE_ATTENTION
 
 // Attention of the small steps of a forward: decode rows, draft trees and short chains (at most 64 tokens
 // per slot). Token i of slot slots[i] attends to the slot's committed prefix, keys [0, base[i]), and to its
@@ -456,7 +461,83 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void tree_attention_tiles(
 }
 #undef RHYMERL_TILE_DP
 #endif  // RHYMERL_TILES
-#endif
+#else  // RHYMERL_TREE_ATTENTION
+
+// CPUs without AVX-512 (AVX2 x86, Arm): the same work items in portable vector code, fp32 only (dtype=auto is
+// fp32 where bf16 is not native). Without it the small steps' attention is SDPA over one group padded to the
+// largest tree, which on a 2-core AVX2 CPU made a drafting step cost more than the start-up cost grid (measured
+// with uniform chains) predicted (docs/benchmarks.md, eleventh session). One query at a time: its scores over
+// the prefix and its ancestors, their softmax, the weighted sum of the values, each in a fixed order (8 lanes
+// by key index), so a query's bits depend only on its own keys and a token verified in a tree gets the bits
+// it gets decoded alone.
+typedef float V8 __attribute__((vector_size(32)));
+
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum8(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+template <int D>
+void tree_attention_rows_portable(const float* q, const float* cache, float* out, const int64_t* slots,
+                                  const int64_t* base, const int64_t* anc, int64_t n, int64_t h, int64_t kv,
+                                  int64_t s_slot, int64_t s_head, float scale) {
+  constexpr int NV = D / 8;
+  const int64_t g = h / kv;
+  const std::vector<int64_t> runs = slot_runs(slots, base, n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  for_items(runs, base, kv, [&](int64_t first, int64_t last) {
+    std::vector<float> sc;
+    for (int64_t it = first; it < last; ++it) {
+      const int64_t r = it % num_runs, j = it / num_runs, i0 = runs[r], m = runs[r + 1] - i0, prefix = base[i0];
+      const float* keys = cache + slots[i0] * s_slot + j * s_head;
+      const float* values = cache + slots[i0] * s_slot + (kv + j) * s_head;
+      for (int64_t t = 0; t < m; ++t) {
+        int64_t pos[64], na = 0;  // the token's keys past the prefix: its ancestors and itself, in order
+        for (uint64_t bits = static_cast<uint64_t>(anc[i0 + t]); bits; bits &= bits - 1)
+          pos[na++] = prefix + __builtin_ctzll(bits);
+        const int64_t len = prefix + na;
+        sc.resize(len);
+        auto row = [&](int64_t k) { return k < prefix ? k : pos[k - prefix]; };  // key index -> cache row
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const int64_t head = (i0 + t) * h + j * g + gi;
+          V8 qv[NV];
+          for (int c = 0; c < NV; ++c) qv[c] = load8(q + head * D + 8 * c);
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t k = 0; k < len; ++k) {  // scores
+            const float* key = keys + row(k) * D;
+            V8 acc = qv[0] * load8(key);
+            for (int c = 1; c < NV; ++c) acc += qv[c] * load8(key + 8 * c);
+            sc[k] = sum8(acc) * scale;
+            top = sc[k] > top ? sc[k] : top;
+          }
+          for (int64_t k = 0; k < len; ++k) sc[k] = exp_approx(sc[k] - top);  // softmax
+          V8 sum = {};
+          int64_t k = 0;
+          for (; k + 8 <= len; k += 8) sum += load8(sc.data() + k);
+          float total = sum8(sum);
+          for (; k < len; ++k) total += sc[k];
+          V8 acc[NV] = {};
+          for (k = 0; k < len; ++k) {  // values
+            const float* value = values + row(k) * D;
+            const V8 p = V8{} + sc[k];
+            for (int c = 0; c < NV; ++c) acc[c] += p * load8(value + 8 * c);
+          }
+          const V8 inv = V8{} + 1.f / total;
+          for (int c = 0; c < NV; ++c) {
+            const V8 o = acc[c] * inv;
+            std::memcpy(out + head * D + 8 * c, &o, sizeof o);
+          }
+        }
+      }
+    }
+  });
+}
+#endif  // RHYMERL_TREE_ATTENTION
 
 }  // namespace
 
@@ -465,7 +546,7 @@ bool tree_attention_supports(int64_t d, at::ScalarType dtype) {
 #ifdef RHYMERL_TREE_ATTENTION
   return (d == 64 || d == 128) && (dtype == at::kFloat || dtype == at::kBFloat16);
 #else
-  return false;
+  return (d == 64 || d == 128) && dtype == at::kFloat;  // the portable kernel
 #endif
 }
 
@@ -550,6 +631,15 @@ std::optional<Tensor> tree_attention(const Tensor& q, const Tensor& cache, const
 #endif
   if (q.scalar_type() == at::kFloat) run_type(float{});
   else run_type(c10::BFloat16{});
+#else
+  auto run_portable = [&](auto dim) {
+    tree_attention_rows_portable<decltype(dim)::value>(
+        q.const_data_ptr<float>(), cache.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+        slot_of.const_data_ptr<int64_t>(), base.const_data_ptr<int64_t>(), anc.const_data_ptr<int64_t>(), n, h, kv,
+        cache.stride(0), cache.stride(1), static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
+  };
+  if (d == 64) run_portable(std::integral_constant<int, 64>{});
+  else run_portable(std::integral_constant<int, 128>{});
 #endif
   return out;
 }
