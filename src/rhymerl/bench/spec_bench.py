@@ -234,7 +234,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     t = Table(title=f"HistoSpec, epoch 2: {summary['model']} {summary['dtype']}, {summary['num_prompts']} prompts x "
                     f"{summary['num_generations']}, {summary['slots']} slots, max_tokens={summary['max_tokens']}")
     cols = ["T", "entropy", "plain tok/s", "spec tok/s", "speedup", "tail speedup", "tail fp32", "accept",
-            "tok/seq/fwd", "identity fp32", f"identity {summary['dtype']}"]
+            "tok/seq/fwd", "identity fp32 check", f"identity {summary['dtype']} runs"]
     for c in cols:
         t.add_column(c, justify="right")
     for temp, r in summary["temperatures"].items():
