@@ -6,8 +6,8 @@ The C++ files of `kernels/` (next to this file), one library, `torch.ops.rhymerl
   step's attention is one call per layer;
 - `tile_linear.cpp`: on CPUs with AMX-BF16 tiles (Linux, x86), the bf16 matmuls, with the weights packed
   once into the tile layout (`pack_tiles`); elsewhere the matmuls are oneDNN's;
-- `tree_attention.cpp`: on AVX-512 CPUs, the attention of decode rows, draft trees and short chains; in
-  bf16 on CPUs with AMX its products run on tiles, over a cache of the slots' keys and values rearranged
+- `tree_attention.cpp`: the attention of decode rows, draft trees and short chains (AVX-512 code in fp32
+  and bf16; elsewhere portable vector code, fp32 only); in bf16 on CPUs with AMX its products run on tiles, over a cache of the slots' keys and values rearranged
   for them (`KVCache.tiles`);
 - `sampler.cpp`: the sampler's plain case (temperature, no top-k or top-p), a one-pass version of
   `engine/sampler.py` (`sample_rows`).

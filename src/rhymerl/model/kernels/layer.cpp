@@ -6,11 +6,11 @@
 // `post_attn` (o_proj, residual add, RMSNorm, gate/up matmul, SiLU x up, down matmul). When a step's
 // attention is one call per layer (every decode row and draft tree of the step in one group, the
 // usual step), `forward_layers` runs the whole stack, attention included, without returning to Python.
-// The matmuls are tile_linear.cpp's on CPUs with AMX tiles, else oneDNN's (prepacked weights). On AVX-512
-// CPUs, the attention of decode rows, draft trees and short chains is tree_attention.cpp's, which reads each
-// slot to its own length: SDPA pads every slot to the step's longest context and largest tree behind a mask,
-// and for a few queries costs more in set-up than in arithmetic. Longer prefill chunks, and every step
-// elsewhere, go through SDPA's CPU flash kernel.
+// The matmuls are tile_linear.cpp's on CPUs with AMX tiles, else oneDNN's (prepacked weights). The attention
+// of decode rows, draft trees and short chains is tree_attention.cpp's where it takes the dtype (fp32
+// everywhere, bf16 on AVX-512 CPUs), which reads each slot to its own length: SDPA pads every slot to the
+// step's longest context and largest tree behind a mask, and for a few queries costs more in set-up than in
+// arithmetic. Longer prefill chunks, and bf16 steps on other CPUs, go through SDPA's CPU flash kernel.
 //
 // Arithmetic follows rhymerl/model/decoder.py, rounding to the tensor dtype wherever the eager code
 // produces a tensor of that dtype, so bf16 results agree with the eager path up to the summation order of
