@@ -24,6 +24,7 @@ from rhymerl.data.dataset import DatasetError
 from rhymerl.engine.speculator import CostModel
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model import pretrained
+from rhymerl.model.decoder import cpu_packing_supported
 from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.rl.loop import TrainingRun, batch_indices, deterministic_algorithms
 
@@ -309,11 +310,16 @@ def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_pat
     assert run.cfg.rollout.dtype == run.cfg.train.dtype == "auto"
 
 
-def test_resolve_dtype():
-    assert pretrained.resolve_dtype("fp32", "cpu") == "fp32" and pretrained.resolve_dtype("bf16", "cpu") == "bf16"
-    cpu_native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert pretrained.resolve_dtype("auto", "cpu") == ("bf16" if cpu_native else "fp32")
-    assert pretrained.parse_dtype("auto", "cpu") == (torch.bfloat16 if cpu_native else torch.float32)
+def test_resolve_dtype(monkeypatch):
+    """An explicit dtype is kept whatever the device; auto follows `has_fast_bf16`, which on a CPU is oneDNN's
+    own check (the one that also decides whether bf16 weights are prepacked)."""
+    for native in (True, False):
+        monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: native)
+        assert pretrained.resolve_dtype("fp32", "cpu") == "fp32" and pretrained.resolve_dtype("bf16", "cpu") == "bf16"
+        assert pretrained.resolve_dtype("auto", "cpu") == ("bf16" if native else "fp32")
+        assert pretrained.parse_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    monkeypatch.undo()
+    assert pretrained.has_fast_bf16("cpu") == cpu_packing_supported(torch.zeros(1, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         pretrained.parse_dtype("int3")
     assert load_config(None, []).rollout.dtype == load_config(None, []).train.dtype == "auto"

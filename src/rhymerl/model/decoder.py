@@ -62,13 +62,18 @@ class FusedBackend(Protocol):
         ...
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 matmul kernels for this CPU (AVX-512 or AMX on x86, BF16 on Arm)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
     """oneDNN's prepacked matmul: CPU only; bf16 where the CPU has bf16 instructions, and fp32 (see
     `rhymerl bench engine --dtype fp32` in docs/benchmarks.md)."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return onednn_bf16()
     return weight.dtype == torch.float32
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rhymerl.model.decoder import Decoder
+from rhymerl.model.decoder import Decoder, onednn_bf16
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.weights import load_decoder
 
@@ -21,11 +21,11 @@ def default_device() -> str:
 
 def has_fast_bf16(device: str | torch.device) -> bool:
     """Whether bf16 matmuls run natively on `device`: a CUDA GPU that supports bf16, or a CPU for which oneDNN
-    has bf16 kernels (AVX-512 or AMX on x86, BF16 on Arm). Elsewhere (an AVX2-only x86 such as AMD Zen 3) torch
+    has bf16 kernels (`onednn_bf16`). Elsewhere (an AVX2-only x86 such as AMD Zen 3) torch
     falls back to a generic bf16 matmul, several times slower than fp32 (docs/benchmarks.md, eleventh session)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return onednn_bf16()
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> str:

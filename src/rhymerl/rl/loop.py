@@ -135,11 +135,11 @@ class TrainingRun:
         self.ref_model = None
         if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
             self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
-        rollout_dtype = parse_dtype(cfg.rollout.dtype, device)
-        print(f"[model] {self.model_dir.name} on {device}: rollout in {resolve_dtype(cfg.rollout.dtype, device)}, "
-              f"update in {resolve_dtype(cfg.train.dtype, device)} (rollout.dtype={cfg.rollout.dtype}, "
+        rollout_dtype = resolve_dtype(cfg.rollout.dtype, device)
+        print(f"[model] {self.model_dir.name} on {device}: rollout in {rollout_dtype}, update in "
+              f"{resolve_dtype(cfg.train.dtype, device)} (rollout.dtype={cfg.rollout.dtype}, "
               f"train.dtype={cfg.train.dtype})", file=sys.stderr)
-        self.rollout_model = copy.deepcopy(self.model).to(rollout_dtype).eval().requires_grad_(False)
+        self.rollout_model = copy.deepcopy(self.model).to(parse_dtype(rollout_dtype)).eval().requires_grad_(False)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
