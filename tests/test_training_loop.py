@@ -323,3 +323,26 @@ def test_resolve_dtype(monkeypatch):
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         pretrained.parse_dtype("int3")
     assert load_config(None, []).rollout.dtype == load_config(None, []).train.dtype == "auto"
+
+
+def test_a_resumed_auto_run_keeps_the_dtypes_it_started_with(tiny_dir, tmp_path, monkeypatch, capfd):
+    """dtype=auto is resolved once, when the run starts, and kept in its checkpoints: resumed on a machine
+    where auto would choose otherwise (here: bf16 native at the start, not at the resume), the run goes on
+    in bf16 and says why; an explicit dtype given with the resume switches."""
+    monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: True)
+    out = tmp_path / "run"
+    cfg = load_config(None, _overrides(tiny_dir, out, "train.dtype=auto", "rollout.dtype=auto", "train.total_steps=1",
+                                       "val.every=0"))
+    TrainingRun(cfg, cost_model=FLAT).run()
+    saved = json.loads((latest_checkpoint(out) / "state.json").read_text())["dtypes"]
+    assert saved == {"rollout": "bf16", "train": "bf16"}
+
+    monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: False)
+    capfd.readouterr()
+    kept = TrainingRun.resume(out, cost_model=FLAT)
+    assert next(kept.rollout_model.parameters()).dtype == torch.bfloat16 and kept.trainer.autocast == torch.bfloat16
+    assert "rollout.dtype=auto: keeping bf16" in capfd.readouterr().err
+    assert kept.cfg.rollout.dtype == kept.cfg.train.dtype == "auto"  # the config is not rewritten
+    switched = TrainingRun.resume(out, ["rollout.dtype=fp32"], cost_model=FLAT)
+    assert next(switched.rollout_model.parameters()).dtype == torch.float32
+    assert switched.trainer.autocast == torch.bfloat16  # train.dtype is still auto: kept

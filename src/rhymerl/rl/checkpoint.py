@@ -5,7 +5,7 @@ Layout of `RUN_DIR/checkpoints/step_000010/`:
                                                       `AutoModelForCausalLM.from_pretrained(dir)` loads it
   trainer.pt      optimizer and LR-scheduler state (and the LoRA adapter weights when LoRA is on)
   history.json    the HistoSpec history store
-  state.json      step, epoch, RNG states and the run's counters
+  state.json      step, the run's counters, config and the dtypes it computes in
 and `RUN_DIR/checkpoints/latest` names the newest complete one (for people and tools; resuming looks at the
 directories themselves).
 
@@ -108,10 +108,15 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def read_state(path: Path) -> dict:
+    """state.json of a checkpoint directory (cheap: no weights, no optimizer)."""
+    return json.loads((Path(path) / "state.json").read_text())
+
+
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict | None]:
     """(state.json, trainer.pt contents, history state or None) of a checkpoint directory."""
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     trainer_state = torch.load(path / "trainer.pt", weights_only=False)
     history = json.loads((path / "history.json").read_text()) if (path / "history.json").exists() else None
     return state, trainer_state, history

@@ -35,7 +35,7 @@ from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.pretrained import chat_prompt_ids, parse_dtype, resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
-from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, set_rng_state
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
 from rhymerl.rl.trainer import PolicyTrainer, Sample
@@ -108,6 +108,23 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
+    """What the rollout and the update compute in, {"rollout": ..., "train": ...}: a dtype the config names
+    as it is; "auto" as the run resolved it when it started (`saved`, from its checkpoint), else as
+    `resolve_dtype` decides for `device`. So a run resumed on another kind of machine (bf16 native on one,
+    not on the other) keeps its numerics instead of changing recipe halfway; it says so, because it may run
+    slower there. An explicit override (`rollout.dtype=fp32` with --resume) switches."""
+    out = {}
+    for part, name in (("rollout", cfg.rollout.dtype), ("train", cfg.train.dtype)):
+        here = resolve_dtype(name, device)
+        kept = (saved or {}).get(part) if name == "auto" else None
+        if kept and kept != here:
+            print(f"[model] {part}.dtype=auto: keeping {kept}, which this run started with ({here} would be "
+                  f"the choice on this {device}; set {part}.dtype={here} to switch)", file=sys.stderr)
+        out[part] = kept or here
+    return out
+
+
 class TrainingRun:
     """One `rhymerl train` run. `cost_model` fixes HistoSpec's forward-cost model instead of measuring it
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
@@ -135,11 +152,11 @@ class TrainingRun:
         self.ref_model = None
         if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
             self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
-        rollout_dtype = resolve_dtype(cfg.rollout.dtype, device)
-        print(f"[model] {self.model_dir.name} on {device}: rollout in {rollout_dtype}, update in "
-              f"{resolve_dtype(cfg.train.dtype, device)} (rollout.dtype={cfg.rollout.dtype}, "
-              f"train.dtype={cfg.train.dtype})", file=sys.stderr)
-        self.rollout_model = copy.deepcopy(self.model).to(parse_dtype(rollout_dtype)).eval().requires_grad_(False)
+        self.dtypes = run_dtypes(cfg, device, read_state(ckpt).get("dtypes") if ckpt else None)
+        print(f"[model] {self.model_dir.name} on {device}: rollout in {self.dtypes['rollout']}, update in "
+              f"{self.dtypes['train']} (rollout.dtype={cfg.rollout.dtype}, train.dtype={cfg.train.dtype})",
+              file=sys.stderr)
+        self.rollout_model = copy.deepcopy(self.model).to(parse_dtype(self.dtypes["rollout"])).eval().requires_grad_(False)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
@@ -154,7 +171,7 @@ class TrainingRun:
                              max_draft_tokens=cfg.rollout.max_draft_tokens, draft_rule=cfg.rollout.draft_rule,
                              cost_model=cost_model)
         self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
-                                     self.ref_model)
+                                     self.ref_model, dtype=self.dtypes["train"])
         fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
         self.scorer = RewardScorer(cfg.reward.format_weight, fn)
         self.reward_errors = 0
@@ -314,7 +331,7 @@ class TrainingRun:
         return save_checkpoint(
             self.run_dir, step, hf_weights=to_hf_state_dict(self.model, merged_parameters(self.model)),
             model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
-            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg),
+            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg), "dtypes": self.dtypes,
                    "metrics": {k: v if isinstance(v, str) else float(v) for k, v in (metrics or {}).items()}},
             keep=self.cfg.run.keep_checkpoints)
 

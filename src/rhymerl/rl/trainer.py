@@ -180,7 +180,9 @@ class PolicyTrainer:
     """Owns the optimizer and schedule of `model` (fp32 master weights; bf16 autocast if configured)."""
 
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
-                 ref_model: Decoder | None = None):
+                 ref_model: Decoder | None = None, dtype: str | None = None):
+        """`dtype`: what the update computes in, resolved ("bf16" = bf16 autocast, "fp32"); by default
+        `cfg.dtype` as `resolve_dtype` decides it for the model's device."""
         if cfg.beta > 0 and ref_model is None:
             raise ValueError("train.beta > 0 needs a reference model")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
@@ -188,7 +190,7 @@ class PolicyTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_completion_length = max_completion_length
         device = next(model.parameters()).device
-        self.autocast = torch.bfloat16 if resolve_dtype(cfg.dtype, device) == "bf16" else None
+        self.autocast = torch.bfloat16 if (dtype or resolve_dtype(cfg.dtype, device)) == "bf16" else None
         params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel for the whole update instead of ~6 elementwise passes per parameter list
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
