@@ -253,6 +253,25 @@ def test_a_sequence_whose_drafts_are_never_kept_drafts_only_on_its_probes():
     assert a.idle == 0 and b.idle == 30
 
 
+def test_drafts_that_save_less_time_than_drafting_took_count_as_idle():
+    """A copying sequence whose draft pays on the cost model's terms: where a forward takes a second, the
+    saving dwarfs the drafting time and drafting goes on; where it takes a nanosecond (the same shape, so
+    the same drafts are kept), the saving is below the drafting time, so the step counts as idle and
+    after PROBE_EVERY + 1 such steps the step-level pause skips drafting."""
+    prompt, response = list(range(1, 11)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt, [response])
+    for unit, paused in ((1.0, False), (1e-9, True)):
+        cheap = CostModel([1, 2], [1, 64], [[unit, 1.63 * unit], [unit, 1.63 * unit]])  # +1% per draft token
+        spec = Speculator(cheap, history, rule="cost", max_draft_tokens=8, correct_cost=False)
+        state = spec.start("g", prompt)
+        for _ in range(PROBE_EVERY + 1):  # idle 0..8 are probe steps (is_probe_step), 9 is not
+            assert not spec.drafting_paused(1)
+            (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+            assert draft.tokens == response[: len(draft.tokens)] != []
+        assert spec.drafting_paused(1) == paused
+
+
 def test_indexes_catch_up_with_every_committed_token(model):
     """Committed tokens are buffered until a sequence drafts: after a flush, each sequence's own index
     holds prompt + output and the siblings' index every sibling's prompt tail + output, exactly."""

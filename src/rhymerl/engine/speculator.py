@@ -17,7 +17,7 @@ from rhymerl.spec.history import HistoryStore
 from rhymerl.spec.suffix_index import SuffixIndex
 
 SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
-# Once drafts stopped paying (PROBE_EVERY steps in a row with a zero budget), drafting itself is skipped
+# Once drafts stopped paying (PROBE_EVERY steps in a row that saved less than drafting took), drafting is skipped
 # except on probe steps, which watch whether drafts pay again (the tail, a more predictable prompt): after
 # 8, 16, 32 and 64 such steps, then every 64th. The gap grows because every probe that finds nothing costs
 # a whole step's drafting, and at a high temperature that is every probe.
@@ -203,8 +203,9 @@ class Speculator:
         # followed more often than one from a 2-token match.
         self._calib_num = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # decayed continuations seen
         self._calib_den = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # ... and predicted
-        # Consecutive steps (per batch-size bucket) whose budget was zero: after PROBE_EVERY of them,
-        # drafting itself is skipped except on probe steps (`is_probe_step`).
+        # Consecutive steps (per batch-size bucket) whose drafts did not pay for the drafting (a zero budget,
+        # or an expected saving below the drafting time): after PROBE_EVERY of them, drafting itself is
+        # skipped except on probe steps (`is_probe_step`).
         self._idle: dict[int, int] = {}
         # Measured / predicted step time, for drafting and for plain steps, per batch-size bucket: a real
         # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
@@ -279,17 +280,29 @@ class Speculator:
         plain_cost = self.cost(base_tokens, seqs)
         # measured/predicted time of drafting steps relative to plain ones (observe_step)
         scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        ranked = [[v[j] for j in o] for v, o in zip(values, order)]
+
+        def step_cost(n: int) -> float:  # predicted time of this step with n draft tokens
+            return self.cost(base_tokens + n, seqs) * scale
+
         plan = _uniform_cap if draining else _top_nodes
-        keep, extra = plan([[v[j] for j in o] for v, o in zip(values, order)],
-                           lambda n: self.cost(base_tokens + n, seqs) * scale, len(contexts) / plain_cost)
+        keep, extra = plan(ranked, step_cost, len(contexts) / plain_cost)
         drafting = any(keep)
+        # Whether proposing paid, for the step-level pause: the time the kept drafts are expected to save
+        # (plain decoding would take longer to commit the same tokens) must exceed the time drafting took.
+        # The kept drafts are verified either way (drafting is spent by now), but a step that saves less
+        # counts as idle: at a high temperature a few promising-looking drafts per step otherwise kept
+        # every sequence drafting, for fewer tokens than the drafting cost (docs/benchmarks.md, 13th session).
+        gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
+        saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
+        pays = saved > time.perf_counter() - t0
         # A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
         # drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here
         # too would compound the two schedules until no probe ever drafted again.
         for s, n, skip in zip(specs, keep, skipped):
             s.idle = 0 if n else s.idle + 1 if drafting or skip else s.idle
         self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
-        self._idle[bucket] = 0 if drafting else idle + 1
+        self._idle[bucket] = 0 if pays else idle + 1
         out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
         self.stats.draft_s += time.perf_counter() - t0
         return out
