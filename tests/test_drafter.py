@@ -5,6 +5,7 @@ import random
 import pytest
 
 from rhymerl.spec import Draft, Drafter, HistoryStore, SuffixIndex
+from rhymerl.spec.drafter import next_token_certainty
 
 EOS = 0
 
@@ -180,6 +181,21 @@ def test_longest_match_wins_and_ties_go_to_the_more_trusted_source():
     assert (d.source, d.match_len, d.tokens) == ("history", 3, [10])
     d = drafter.draft([0, 1, 2, 3], siblings=None, own=own)
     assert (d.source, d.tokens) == ("self", [30])
+
+
+def test_equally_long_matches_go_to_the_source_most_certain_of_the_next_token():
+    """A response caught in a loop: its own output has seen the window [2, 3, 4, 5] followed by 1 four
+    times, the history once followed by 1 and once by 7. Both match the whole window; the loop is more
+    certain (5/6 against 2/4), so it drafts. One occurrence each is a tie: the more trusted source keeps
+    it."""
+    loop = [1, 2, 3, 4, 5] * 5
+    history = index_of([9, 2, 3, 4, 5, 1, 2, 3, 4, 6], [3, 4, 5, 1, 2, 3, 4, 5, 7])
+    own = index_of(loop)
+    d = Drafter(max_window=4).draft(loop, history=history, own=own)
+    assert (d.source, d.match_len) == ("self", 4) and d.tokens[:6] == [1, 2, 3, 4, 5, 1]
+    assert next_token_certainty(own, own.longest_match(loop, 4)[1]) == pytest.approx(5 / 6)
+    d = Drafter(max_window=4).draft([0, 2, 3, 4], history=index_of([2, 3, 4, 8]), own=index_of([2, 3, 4, 9]))
+    assert (d.source, d.tokens) == ("history", [8])
 
 
 def test_siblings_index_fed_incrementally_including_the_running_sequence():

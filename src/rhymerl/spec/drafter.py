@@ -10,7 +10,8 @@ Three sources, most trusted first:
 - "self":     the sequence's own prompt + output (`own.add(prompt)`, then `own.extend(0, new)`).
 
 The recent tokens are matched against each source (window `max_window` tokens down to `min_len`);
-the source with the longest match wins, ties going to the more trusted one. From the matched state
+the source with the longest match wins; among equally long matches, the one most certain of the next
+token (`next_token_certainty`), then the more trusted one. From the matched state
 the draft tree grows best-first by path probability, where a child's share at a node is
 
     score(child) / sum of the scores of all children of the node,
@@ -91,6 +92,14 @@ class Draft:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
 
+def next_token_certainty(index: SuffixIndex, state: int) -> float:
+    """How sure `index` is of what follows the match `state`: the share of its most frequent continuation,
+    smoothed as (top + 1) / (all + 2), so one occurrence gives 2/3 and ten that agree 11/12 (counts only,
+    also when drafting is reward-weighted)."""
+    counts = [index._cnt[u] for u in index._next[state].values()]
+    return (max(counts, default=0) + 1) / (sum(counts) + 2)
+
+
 class Drafter:
     """Proposes a draft tree for one running sequence (see the module docstring for the rules).
 
@@ -138,15 +147,20 @@ class Drafter:
             return Draft()
         if history is None and prompt is not None and self.history is not None:
             history = self.history.index(prompt)
-        best_len, best_state, best_index, best_source = 0, None, None, ""
+        matches = []  # (length, state, index, source), most trusted source first
         for source, index in zip(SOURCES, (history, siblings, own)):
-            if index is None or not index._num_tokens:
-                continue
-            n, state = index.longest_match(context, self.max_window, self.min_len)
-            if n > best_len:  # strictly longer: ties stay with the more trusted source
-                best_len, best_state, best_index, best_source = n, state, index, source
-        if best_index is None:
+            if index is not None and index._num_tokens:
+                n, state = index.longest_match(context, self.max_window, self.min_len)
+                if n:
+                    matches.append((n, state, index, source))
+        if not matches:
             return Draft()
+        longest = max(m[0] for m in matches)
+        # Of the sources that match as long, the one most certain of the next token (`next_token_certainty`):
+        # a response caught in a loop has seen its last 7 tokens followed by one thing again and again, while
+        # the history may hold them followed by several. max() keeps the first of equals: the more trusted.
+        best_len, best_state, best_index, best_source = max(
+            (m for m in matches if m[0] == longest), key=lambda m: next_token_certainty(m[2], m[1]))
         depth = self.max_depth if max_depth is None else max_depth
         branches = self.max_branches if max_branches is None else max_branches
         # Counts are exact only for strings of at most max_count_len tokens (match + path).
