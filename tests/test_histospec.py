@@ -206,6 +206,13 @@ def test_measured_cost_model_and_bad_mode(model):
     assert grid.times == [[1.0, 1.0], [2.0, 3.0]]
     # 3 tokens over 2 sequences: 1.5 per sequence -> 1.0 on the 1-sequence row, 2.5 on the 4-sequence row
     assert grid(3, 2) == pytest.approx(1.5)
+    # A measured model is corrected online wherever it goes (a second engine reusing it, as `bench spec`
+    # does); one written by hand is taken as is.
+    assert eng.speculator.correct_cost and cost.measured
+    reused = Engine(model, num_slots=4, max_model_len=96, speculative="histospec", max_draft_tokens=8,
+                    cost_model=cost)
+    assert reused.speculator.cost is cost and reused.speculator.correct_cost
+    assert not engine(model, "histospec").speculator.correct_cost
     with pytest.raises(ValueError, match="speculative"):
         Engine(model, speculative="medusa")
 

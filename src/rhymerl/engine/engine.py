@@ -72,7 +72,8 @@ class Engine:
 
     speculative: "off" (one token per slot per step) or "histospec" (DESIGN 3: drafts from `history`,
     the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
-    model that HistoSpec otherwise measures at start-up; `draft_rule` is "cost" (every
+    model that HistoSpec otherwise measures at start-up (pass `other.cost_model` to reuse what an engine
+    on the same model and slot count measured); `draft_rule` is "cost" (every
     sequence offers a full tree; the step budget alone decides), "aimd" or "doubling" (docs/benchmarks.md
     compares them).
     """
@@ -104,9 +105,10 @@ class Engine:
         if speculative == "histospec":
             cost = cost_model or self.measure_cost_model(max_draft_tokens)
             self.cost_model = cost
-            # A cost model given by the caller is taken as is; a measured one is corrected online.
+            # A measured cost model (this engine's, or one another engine measured on the same model and
+            # slots) is corrected online; one written by hand is taken as is.
             self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids,
-                                         correct_cost=cost_model is None)
+                                         correct_cost=cost.measured)
 
     def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
         """Time real verification forwards on free slots: n sequences (with a `context`-token prefix)
@@ -135,7 +137,7 @@ class Engine:
                 slope = (row[-1] - row[-2]) / (per_seq_grid[j - 1] - per_seq_grid[j - 2])
                 row.append(row[-1] + slope * (per_seq_grid[j] - per_seq_grid[j - 1]))
             times.append(row)
-        return CostModel(seqs_grid, per_seq_grid, times)
+        return CostModel(seqs_grid, per_seq_grid, times, measured=True)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,

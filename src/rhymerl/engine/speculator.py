@@ -78,10 +78,14 @@ class CostModel:
     measured on this machine: times[i][j] for seqs_grid[i] sequences x per_seq_grid[j] tokens each.
     Bilinear interpolation in (sequences, tokens per sequence), linear extrapolation past the grid, and
     the grid is made non-decreasing first (measurement noise must not make a bigger step look cheaper).
+    `measured`: timed on this machine (`Engine.measure_cost_model`), so a Speculator corrects it online
+    against the steps it times; a grid written by hand (tests, a fixed model) is taken as is.
     """
 
-    def __init__(self, seqs_grid: list[int], per_seq_grid: list[int], times: list[list[float]]):
+    def __init__(self, seqs_grid: list[int], per_seq_grid: list[int], times: list[list[float]],
+                 measured: bool = False):
         self.seqs_grid, self.per_seq_grid = list(seqs_grid), list(per_seq_grid)
+        self.measured = measured
         rows = [_cummax(r) for r in times]
         cols = [_cummax([rows[i][j] for i in range(len(rows))]) for j in range(len(per_seq_grid))]
         self.times = [[cols[j][i] for j in range(len(per_seq_grid))] for i in range(len(seqs_grid))]
