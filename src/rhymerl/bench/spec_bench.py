@@ -17,6 +17,7 @@ then the run's next epoch.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -162,7 +163,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     for m, n_slots, length in shapes:  # measured before any timed run, untimed
         make(m, "histospec", n_slots=n_slots, length=length)
 
-    results = {}
+    results, started = {}, time.perf_counter()
     for temp in temperatures:
         epoch1 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 1000)
         if run_history is not None:
@@ -240,6 +241,11 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             row["identity_rate"] = round(identity(a, b), 3)
             row["identity_n"] = len(a)
         results[str(temp)] = row
+        # The whole bench takes minutes per temperature: say where it is (stderr; stdout is the table and
+        # the JSON line).
+        print(f"[bench spec] T={temp}: plain {row['plain_tok_s']} tok/s, HistoSpec {row['spec_tok_s']} tok/s "
+              f"({row['speedup']}x), tail {row['tail_speedup']}x, identity fp32 {row.get('identity_rate', '-')} "
+              f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
             "max_tokens": max_tokens, "draft_rule": draft_rule, "repeats": repeats,
