@@ -92,6 +92,30 @@ def test_speculative_rollout_is_token_identical_to_plain(arch, temperature):
         assert st.accepted > 0  # ... and, where the policy is predictable, accepted
 
 
+def test_per_request_stats_add_up_to_the_engines(model):
+    """RequestOutput.spec is HistoSpec's work on that request: summed over the requests it is the engine's,
+    and a request commits its response in its forwards plus its accepted draft tokens."""
+    prompts = random_prompts(4, seed=31)
+    params = SamplingParams(temperature=0.0, max_tokens=20, seed=3)
+    history = history_of(model, prompts, params)
+    batch = [p for p in prompts for _ in range(2)]
+    plain = engine(model, "off").generate(batch, params)
+    assert all(o.spec is None and o.forwards == len(o.token_ids) for o in plain)  # one token per forward
+    eng = engine(model, "histospec", history)
+    outs = eng.generate(batch, params)
+    total = eng.speculator.stats
+    assert sum(o.spec.drafted for o in outs) == total.drafted > 0
+    assert sum(o.spec.accepted for o in outs) == total.accepted > 0
+    assert sum(o.spec.verify_steps for o in outs) == total.verify_steps
+    for src in total.accepted_by_source:
+        assert sum(o.spec.accepted_by_source[src] for o in outs) == total.accepted_by_source[src]
+    assert 0 < sum(o.spec.draft_s for o in outs) <= total.draft_s + 1e-9
+    assert sum(o.forwards for o in outs) == eng.stats.seq_steps
+    # accepted tokens past a finish (EOS, max_tokens) are not appended: hence <=
+    assert all(len(o.token_ids) <= o.forwards + o.spec.accepted for o in outs)
+    assert any(o.tokens_per_forward > 1 for o in outs)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculative_rollout_is_token_identical_in_bf16_on_tiles(temperature):
     """Where the matmuls run on AMX tiles and attention in the tree kernel, every row's arithmetic is

@@ -191,6 +191,8 @@ class Engine:
         logits = self.runner.run(inputs, float_logits=False)
         self.stats.forward_s += time.perf_counter() - t1
         self.stats.forward_passes += 1
+        for seq in seqs:
+            seq.forwards += 1
         walks = self._walk(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
         events = [self._commit(seq, draft, *walk) for seq, draft, walk in zip(seqs, drafts, walks)]
         for seq, old_slot in self.scheduler.compact():

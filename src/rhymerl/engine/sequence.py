@@ -29,6 +29,13 @@ class RequestOutput:
     queued_s: float = 0.0  # arrival -> admitted to a slot
     first_token_s: float = 0.0  # arrival -> first token
     total_s: float = 0.0  # arrival -> finished
+    forwards: int = 0  # forward passes it took part in (prefill included)
+    spec: object = None  # HistoSpec's work on it (rhymerl.engine.speculator.SpecStats); None when off
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Response tokens per forward pass it took part in (1 or just under without speculation)."""
+        return len(self.token_ids) / max(self.forwards, 1)
 
 
 @dataclass
@@ -46,6 +53,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0
     first_token: float = 0.0
+    forwards: int = 0  # forward passes it took part in
     group: object = None  # siblings share a group (HistoSpec drafts from each other)
     spec: object = None  # the speculator's per-sequence state (rhymerl.engine.speculator.SeqSpec)
 
@@ -76,4 +84,6 @@ class Sequence:
             queued_s=self.admitted - self.arrival,
             first_token_s=self.first_token - self.arrival,
             total_s=now - self.arrival,
+            forwards=self.forwards,
+            spec=self.spec.stats if self.spec is not None else None,
         )

@@ -120,11 +120,16 @@ def _interp(pts: list[tuple[float, float]], x: float) -> float:
 # ---- statistics -------------------------------------------------------------------------------
 @dataclass
 class SpecStats:
+    """HistoSpec's work, for the whole engine (`Speculator.stats`) or for one request
+    (`RequestOutput.spec`)."""
+
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens accepted
     accepted_by_source: dict = field(default_factory=lambda: {"history": 0, "siblings": 0, "self": 0})
     verify_steps: int = 0  # (sequence, step) pairs that verified a non-empty draft
-    draft_s: float = 0.0  # time spent drafting and choosing the budget
+    # time spent drafting and choosing the budget; for a request, its share: each drafting step's time
+    # split evenly over the sequences that drafted in it
+    draft_s: float = 0.0
 
     @property
     def accept_rate(self) -> float:
@@ -134,6 +139,13 @@ class SpecStats:
     def mean_accepted_len(self) -> float:
         """Accepted draft tokens per verified draft."""
         return self.accepted / max(self.verify_steps, 1)
+
+    def add(self, draft: Draft, accepted: int) -> None:
+        """Count one verified draft and how many of its tokens the policy accepted."""
+        self.drafted += len(draft.tokens)
+        self.accepted += accepted
+        self.accepted_by_source[draft.source] += accepted
+        self.verify_steps += 1
 
 
 @dataclass
@@ -163,8 +175,7 @@ class SeqSpec:
     sibling_id: int
     history: SuffixIndex | None
     length: int
-    drafted: int = 0
-    accepted: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)  # this request's (RequestOutput.spec)
     unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
     idle: int = 0  # consecutive drafting steps that kept none of this sequence's draft (see Speculator.propose)
 
@@ -308,7 +319,11 @@ class Speculator:
         self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
         self._idle[bucket] = 0 if pays else idle + 1
         out = [_prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
-        self.stats.draft_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.draft_s += elapsed
+        drafted = [s for s, skip in zip(specs, skipped) if not skip]
+        for s in drafted:
+            s.stats.draft_s += elapsed / len(drafted)
         return out
 
     def match_class(self, match_len: int) -> int:
@@ -353,12 +368,8 @@ class Speculator:
         if not draft.tokens:
             return
         n_acc = len(accepted_nodes)
-        self.stats.drafted += len(draft.tokens)
-        self.stats.accepted += n_acc
-        self.stats.accepted_by_source[draft.source] += n_acc
-        self.stats.verify_steps += 1
-        spec.drafted += len(draft.tokens)
-        spec.accepted += n_acc
+        self.stats.add(draft, n_acc)
+        spec.stats.add(draft, n_acc)
         # Edge calibration: at each node the walk reached, the drafter predicted the walk would continue
         # with probability (sum of the children's shares); it did continue at every node but the last.
         cls = self.match_class(draft.match_len)
