@@ -5,8 +5,9 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import (PROBE_EVERY, PROBE_MAX, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel, DoublingLength,
-                                      Speculator, _edge_events, _top_nodes, _uniform_cap, is_probe_step, verify)
+from rhymerl.engine.speculator import (PROBE_EVERY, PROBE_MAX, PROBE_NODES, PROBE_SPEND, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel,
+                                      DoublingLength, Speculator, _edge_events, _top_nodes, _uniform_cap, is_probe_step,
+                                      verify)
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
@@ -301,6 +302,35 @@ def test_drafts_that_save_less_time_than_drafting_took_count_as_idle():
             (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
             assert draft.tokens == response[: len(draft.tokens)] != []
         assert spec.drafting_paused(1) == paused
+
+
+def test_probes_explore_so_early_rejections_cannot_stop_drafting_for_good():
+    """Rejected drafts at the start leave the edge calibration below what a draft token costs here, so the
+    budget keeps nothing and nothing more is verified to correct it. A probe step while paused verifies its
+    PROBE_NODES best nodes anyway (they add less than PROBE_SPEND to the step): the policy (copying its
+    history) accepts them, the calibration recovers and drafting resumes. (Seen in `bench spec`: two
+    rejected single-token drafts, then a T=0.3 rollout that drafted nothing more.)"""
+    prompt, response = list(range(1, 11)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt, [response])
+    linear = CostModel([1, 2], [1, 64], [[1.0, 4.15], [1.0, 4.15]])  # 1 + 0.05 * (tokens per sequence - 1)
+    spec = Speculator(linear, history, rule="cost", max_draft_tokens=8, correct_cost=False)
+    state = spec.start("g", prompt)
+    for _ in range(12):
+        spec.record(state, Draft([100], [-1], "history", spec.drafter.max_window, [1.0]), [])
+    assert spec.edge_calibration(1)[0] < 0.05 and PROBE_NODES * 0.05 <= PROBE_SPEND
+    drafted = []
+    for _ in range(40):
+        if spec.drafting_paused(1):
+            continue
+        (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+        drafted.append(len(draft.tokens))
+        if draft.tokens:  # a chain the policy follows to its end
+            assert draft.is_chain() and draft.tokens == response[: len(draft.tokens)]
+            spec.record(state, draft, list(range(len(draft.tokens))))
+    assert drafted[:PROBE_EVERY] == [0] * PROBE_EVERY  # the calibration keeps nothing ...
+    assert drafted[PROBE_EVERY] == PROBE_NODES  # ... the first probe while paused explores ...
+    assert drafted[-1] == 8  # ... and the whole draft pays again
 
 
 def test_indexes_catch_up_with_every_committed_token(model):

@@ -23,6 +23,12 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # a whole step's drafting, and at a high temperature that is every probe.
 PROBE_EVERY = 8
 PROBE_MAX = 64
+# A probe step while paused verifies up to PROBE_NODES of its most valuable draft nodes whatever the budget
+# says, as many as add at most PROBE_SPEND to the step's predicted time: the budget values nodes by the edge
+# calibration, which learns only from verified drafts, so without these a few early rejections (two
+# single-token drafts were enough) could stop drafting for a whole rollout.
+PROBE_NODES = 4
+PROBE_SPEND = 0.2
 MATCH_CLASSES = 2  # edge calibration kept apart for drafts from short matches and from whole-window ones
 
 
@@ -311,6 +317,10 @@ class Speculator:
         gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
         saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
         pays = saved > time.perf_counter() - t0
+        if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
+            limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
+            extra += _explore(ranked, keep, sum(step_cost(extra + j) <= limit for j in range(1, PROBE_NODES + 1)))
+            drafting = any(keep)
         # A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
         # drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here
         # too would compound the two schedules until no probe ever drafted again.
@@ -418,6 +428,20 @@ def _top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> tuple[list
     for _, i in flat[:best_k]:
         keep[i] += 1
     return keep, best_k
+
+
+def _explore(ranked: list[list[float]], keep: list[int], k: int) -> int:
+    """Keep up to k more nodes, the most valuable not kept yet: each draft's next one in its ranking, so every
+    draft stays a rooted subtree. Updates `keep` in place; returns how many nodes were added."""
+    added = 0
+    for _ in range(k):
+        open_ = [i for i, (v, n) in enumerate(zip(ranked, keep)) if n < len(v)]
+        if not open_:
+            break
+        best = max(open_, key=lambda i: ranked[i][keep[i]])
+        keep[best] += 1
+        added += 1
+    return added
 
 
 def _prefix_sums(xs: list[float]) -> list[float]:
