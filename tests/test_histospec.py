@@ -45,6 +45,20 @@ def run_verify(draft, node_tokens):
             return done.value
 
 
+PROMPT, RESPONSE = list(range(1, 11)), list(range(100, 130))  # a one-response history (see `copier`)
+
+
+def copier(per_token: float, max_draft_tokens: int, unit: float = 1.0):
+    """A Speculator whose history holds one response to PROMPT, with a forward taking `unit` seconds plus
+    `per_token` units for each further token per sequence, and the state of a sequence at the end of
+    PROMPT: it drafts RESPONSE's first tokens."""
+    history = HistoryStore()
+    history.record_rollout(PROMPT, [RESPONSE])
+    linear = CostModel([1, 2], [1, 64], [[unit, (1 + 63 * per_token) * unit]] * 2)
+    spec = Speculator(linear, history, rule="cost", max_draft_tokens=max_draft_tokens, correct_cost=False)
+    return spec, spec.start("g", PROMPT)
+
+
 def test_verify_follows_the_policy_draws():
     # tree: 0:a(root child) -> 1:b -> 3:d ; 0 -> 2:c
     draft = Draft(tokens=[10, 11, 12, 13], parents=[-1, 0, 0, 1], source="history", match_len=2,
@@ -290,17 +304,12 @@ def test_drafts_that_save_less_time_than_drafting_took_count_as_idle():
     saving dwarfs the drafting time and drafting goes on; where it takes a nanosecond (the same shape, so
     the same drafts are kept), the saving is below the drafting time, so the step counts as idle and
     after PROBE_EVERY + 1 such steps the step-level pause skips drafting."""
-    prompt, response = list(range(1, 11)), list(range(100, 130))
-    history = HistoryStore()
-    history.record_rollout(prompt, [response])
     for unit, paused in ((1.0, False), (1e-9, True)):
-        cheap = CostModel([1, 2], [1, 64], [[unit, 1.63 * unit], [unit, 1.63 * unit]])  # +1% per draft token
-        spec = Speculator(cheap, history, rule="cost", max_draft_tokens=8, correct_cost=False)
-        state = spec.start("g", prompt)
+        spec, state = copier(0.01, 8, unit)  # +1% per draft token
         for _ in range(PROBE_EVERY + 1):  # idle 0..8 are probe steps (is_probe_step), 9 is not
             assert not spec.drafting_paused(1)
-            (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
-            assert draft.tokens == response[: len(draft.tokens)] != []
+            (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+            assert draft.tokens == RESPONSE[: len(draft.tokens)] != []
         assert spec.drafting_paused(1) == paused
 
 
@@ -310,12 +319,7 @@ def test_probes_explore_so_early_rejections_cannot_stop_drafting_for_good():
     PROBE_NODES best nodes anyway (they add less than PROBE_SPEND to the step): the policy (copying its
     history) accepts them, the calibration recovers and drafting resumes. (Seen in `bench spec`: two
     rejected single-token drafts, then a T=0.3 rollout that drafted nothing more.)"""
-    prompt, response = list(range(1, 11)), list(range(100, 130))
-    history = HistoryStore()
-    history.record_rollout(prompt, [response])
-    linear = CostModel([1, 2], [1, 64], [[1.0, 4.15], [1.0, 4.15]])  # 1 + 0.05 * (tokens per sequence - 1)
-    spec = Speculator(linear, history, rule="cost", max_draft_tokens=8, correct_cost=False)
-    state = spec.start("g", prompt)
+    spec, state = copier(0.05, 8)
     for _ in range(12):
         spec.record(state, Draft([100], [-1], "history", spec.drafter.max_window, [1.0]), [])
     assert spec.edge_calibration(1)[0] < 0.05 and PROBE_NODES * 0.05 <= PROBE_SPEND
@@ -323,10 +327,10 @@ def test_probes_explore_so_early_rejections_cannot_stop_drafting_for_good():
     for _ in range(40):
         if spec.drafting_paused(1):
             continue
-        (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+        (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
         drafted.append(len(draft.tokens))
         if draft.tokens:  # a chain the policy follows to its end
-            assert draft.is_chain() and draft.tokens == response[: len(draft.tokens)]
+            assert draft.is_chain() and draft.tokens == RESPONSE[: len(draft.tokens)]
             spec.record(state, draft, list(range(len(draft.tokens))))
     assert drafted[:PROBE_EVERY] == [0] * PROBE_EVERY  # the calibration keeps nothing ...
     assert drafted[PROBE_EVERY] == PROBE_NODES  # ... the first probe while paused explores ...
@@ -368,15 +372,10 @@ def test_budget_discounts_deep_nodes_per_edge():
     """A 30-token history continuation (every share 1) with a per-edge acceptance of 0.5 is worth
     0.5 + 0.25 + ... < 1 token, not 15: with a forward that grows 10% per extra token, the budget
     verifies 2 draft tokens (the rate (1 + gain) / cost peaks there), not the whole chain."""
-    prompt, response = list(range(1, 11)), list(range(100, 130))
-    history = HistoryStore()
-    history.record_rollout(prompt, [response])
-    linear = CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]])  # 1 + 0.1 * (tokens per sequence - 1)
-    spec = Speculator(linear, history, rule="cost", max_draft_tokens=32, correct_cost=False)
-    state = spec.start("g", prompt)
+    spec, state = copier(0.1, 32)
     assert spec.edge_calibration() == [0.5] * 32  # the prior, before any verification
-    (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
-    assert draft.tokens == response[:2]
+    (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+    assert draft.tokens == RESPONSE[:2]
 
 
 def test_budget_takes_the_steps_best_nodes_while_requests_wait_and_caps_every_draft_in_the_drain():
@@ -429,19 +428,14 @@ def test_calibration_learns_that_deep_edges_continue_more_often():
     the calibration must say so per depth (c_0 ~ 0.25, deeper ~ 1), so every node is worth ~0.25 tokens
     against a cost of 0.1 and the budget verifies the whole chain. A single per-edge constant fitted to
     the same walks (0.73, so 0.73**k) would have cut it to 4 tokens."""
-    prompt, response = list(range(1, 11)), list(range(100, 130))
-    history = HistoryStore()
-    history.record_rollout(prompt, [response])
-    linear = CostModel([1, 2], [1, 64], [[1.0, 7.3], [1.0, 7.3]])  # 1 + 0.1 * (tokens per sequence - 1)
-    spec = Speculator(linear, history, rule="cost", max_draft_tokens=32, correct_cost=False)
-    chain = Draft(tokens=response[:8], parents=[-1, 0, 1, 2, 3, 4, 5, 6], source="history", match_len=2,
+    spec, state = copier(0.1, 32)
+    chain = Draft(tokens=RESPONSE[:8], parents=[-1, 0, 1, 2, 3, 4, 5, 6], source="history", match_len=2,
                   probs=[1.0] * 8)
-    state = spec.start("g", prompt)
     for i in range(400):
         spec.record(state, chain, list(range(8)) if i % 4 == 0 else [])
     calib = spec.edge_calibration()
     assert calib[0] == pytest.approx(0.25, abs=0.05)
     assert all(c > 0.95 for c in calib[1:8])
     assert calib[8:] == pytest.approx([calib[7]] * 24, abs=0.05)  # never observed: borrowed from above
-    (draft,) = spec.propose([prompt[-8:]], [state], base_tokens=1, seqs=1)
+    (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
     assert len(draft.tokens) > 16
