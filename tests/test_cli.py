@@ -38,11 +38,12 @@ def test_bench_table_is_whole_when_piped(capsys):
     row = dict(entropy=0.14, plain_tok_s=215.2, spec_tok_s=306.2, speedup=1.423, tail_speedup=1.853,
                accept_rate=0.584, tokens_per_forward=2.17, identity_rate_bf16=0.34)
     summary = dict(model="smollm2-135m", dtype="bf16", num_prompts=16, num_generations=8, slots=8, max_tokens=256,
-                   temperatures={"0.3": row})
+                   temperatures={"0.3": row}, ceiling={"full": {"speedup": 1.436, "tokens_per_seq": 33}})
     spec_bench.print_table(summary)
     out = capsys.readouterr().out
     assert "…" not in out
     assert "plain tok/s" in out and "1.423x" in out
+    assert "ceiling (full)" in out and "33 tokens per forward, would be 1.436x plain" in out
 
 
 def test_help_shows_defaults(capsys):

@@ -256,6 +256,16 @@ def test_measured_cost_model_and_bad_mode(model):
         Engine(model, speculative="medusa")
 
 
+def test_cost_ceiling_is_the_perfect_drafters_speedup():
+    assert FLAT.ceiling(4, 8) == (8.0, 8)  # drafts are free: the longest chain wins, 8 tokens per forward
+    assert STEEP.ceiling(1, 8) == (1.0, 1)  # every token costs a forward: nothing beats plain
+    # 4 sequences: the forward costs 1 up to 4 rows, 2 at 16 rows, 4 at 32 rows. Chains of 4 tokens reach
+    # 2x (4 tokens for twice the time) and longer ones no more: the shortest best t is reported.
+    knee = CostModel([1, 4], [1, 4, 8], [[1.0, 1.0, 1.0], [1.0, 2.0, 4.0]])
+    assert knee.ceiling(4, 8) == (pytest.approx(2.0), 4)
+    assert knee.ceiling(4, 3) == (pytest.approx(3 / (1 + 2 / 3)), 3)
+
+
 def test_probe_steps_thin_out():
     idle = range(300)
     assert [i for i in idle if is_probe_step(i)] == (list(range(PROBE_EVERY)) + [8, 16, 32]

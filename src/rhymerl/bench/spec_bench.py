@@ -162,6 +162,15 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         shapes.append((fp32, 8, identity_len))  # the identity check
     for m, n_slots, length in shapes:  # measured before any timed run, untimed
         make(m, "histospec", n_slots=n_slots, length=length)
+    # What this machine allows at all: the speed-up of a perfect drafter by the measured forward costs
+    # (`CostModel.ceiling`), for the full batch and for the tail. Where a target is above it, no drafter
+    # can reach it here.
+    ceiling = {}
+    for name, m, n_slots in (("full", model, slots), ("tail", model, TAIL), ("tail_fp32", fp32, TAIL)):
+        if name == "tail_fp32" and (fp32 is None or fp32 is model):
+            continue
+        speedup, t = costs[(id(m), n_slots, max_len)].ceiling(n_slots, max_draft_tokens + 1)
+        ceiling[name] = {"speedup": round(speedup, 3), "tokens_per_seq": t}
 
     results, started = {}, time.perf_counter()
     for temp in temperatures:
@@ -249,7 +258,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
             "max_tokens": max_tokens, "draft_rule": draft_rule, "repeats": repeats,
-            "epoch_seeds": epoch_seeds,
+            "epoch_seeds": epoch_seeds, "ceiling": ceiling,
             "data": f"history-from:{history_from}" if history_from else data or "builtin:arithmetic",
             "temperatures": results}
 
@@ -268,3 +277,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   str(r["accept_rate"]), str(r["tokens_per_forward"]),
                   str(r.get("identity_rate", "-")), str(r[f"identity_rate_{summary['dtype']}"]))
     console.print(t)
+    for name, c in summary["ceiling"].items():
+        console.print(f"ceiling ({name.replace('_', ' ')}): a perfect drafter, every sequence committing "
+                      f"{c['tokens_per_seq']} tokens per forward, would be {c['speedup']}x plain by the measured "
+                      f"forward costs")

@@ -104,6 +104,16 @@ class CostModel:
     def as_dict(self) -> dict:
         return {"seqs": self.seqs_grid, "tokens_per_seq": self.per_seq_grid, "seconds": self.times}
 
+    def ceiling(self, seqs: int, max_tokens_per_seq: int) -> tuple[float, int]:
+        """The most any drafter could gain over plain decoding with `seqs` sequences, by this grid: a perfect
+        drafter, every draft a chain of t-1 tokens the policy accepts whole, commits t tokens per sequence
+        per forward of cost(seqs * t), where plain commits 1 per cost(seqs). Returns (the best
+        t * cost(seqs) / cost(seqs * t) over t = 1..max_tokens_per_seq, the t that reaches it). The
+        forward only: the rest of a step (drafting, sampling) is left out."""
+        plain = self(seqs, seqs)
+        best = max(range(1, max_tokens_per_seq + 1), key=lambda t: (t * plain / self(seqs * t, seqs), -t))
+        return best * plain / self(seqs * best, seqs), best
+
 
 def _cummax(xs: list[float]) -> list[float]:
     out, m = [], float("-inf")
