@@ -201,7 +201,9 @@ def test_first_tokens_follow_the_policy_distribution(model):
     history = HistoryStore()
     history.record_rollout(prompt, [[7, 8, 9, 10]] * 4)
     n = 3000
-    params = SamplingParams(temperature=1.0, max_tokens=2, seed=9)
+    # 3 tokens: the second one is verified against a draft (a draft for the last token would gain nothing,
+    # so none is made)
+    params = SamplingParams(temperature=1.0, max_tokens=3, seed=9)
     eng = engine(model, "histospec", history, slots=64)
     outs = eng.generate([prompt] * n, params, request_ids=list(range(n)))
     assert eng.speculator.stats.drafted > 0
@@ -410,10 +412,38 @@ def test_engine_tells_the_budget_when_the_rollout_drains(model):
     eng = engine(model, "histospec", history, slots=2)
     seen = []
     propose = eng.speculator.propose
-    eng.speculator.propose = lambda *a, draining=False: seen.append((len(eng.scheduler.waiting), draining)) or propose(*a, draining=draining)
+    eng.speculator.propose = lambda *a, draining=False, **kw: (seen.append((len(eng.scheduler.waiting), draining))
+                              or propose(*a, draining=draining, **kw))
     eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
     assert seen and all(d == (w == 0) for w, d in seen)
     assert {d for _, d in seen} == {False, True}
+
+
+def test_drafts_reach_the_end_of_the_context_and_never_past_it(model):
+    """A response's last tokens before the end of the context (or max_tokens) draft too, as deep as the
+    tokens it may still append less the bonus token: before, its last max_draft_tokens were decoded one per
+    step. Greedy with the very responses as history and free drafts: 8 accepted + the bonus per step."""
+    prompts = random_prompts(2, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    history = history_of(model, prompts, params, n_gen=1)
+    max_len = max(map(len, prompts)) + 24  # the longer prompt ends its context with its 24th token
+    eng = Engine(model, num_slots=2, max_model_len=max_len, eos_token_ids=[], speculative="histospec",
+                 history=history, cost_model=FLAT, max_draft_tokens=8)
+    rooms, depths = [], []
+    propose = eng.speculator.propose
+
+    def spy(*a, max_depths=None, **kw):
+        drafts = propose(*a, max_depths=max_depths, **kw)
+        rooms.extend(max_depths)
+        depths.extend(max(d.depths(), default=0) for d in drafts)
+        return drafts
+
+    eng.speculator.propose = spy
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine(model, "off").generate(prompts, params)]
+    # the prompt's forward gives token 1, then 9 + 9 + 5 (a draft 4 deep: 5 tokens were left)
+    assert [o.forwards for o in outs] == [4, 4]
+    assert all(d <= r for d, r in zip(depths, rooms)) and 4 in depths
 
 
 def test_calibration_is_kept_per_match_class():

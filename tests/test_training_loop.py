@@ -255,6 +255,7 @@ def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
     assert row["identity_rate"] == 1.0 and row["tokens_plain"] == row["tokens_spec"]
     # two timed epochs (4 prompts x 2 generations each), totalled
     assert len(row["speedup_by_seed"]) == 2 and row["forwards_plain"] >= 2 * 8 and row["identity_rate_fp32"] == 1.0
+    assert len(row["runs_tok_s"]["plain"]) == len(row["runs_tok_s"]["spec"]) == 2 and row["speedup_paired"] > 0
     assert "tail_speedup_fp32" not in row  # the timed tail already ran in fp32
     assert set(s["ceiling"]) == {"full", "tail"} and s["ceiling"]["full"]["speedup"] >= 1.0
     assert row["plain_ms_per_forward"] > 0 and row["spec_ms_per_forward"] > 0

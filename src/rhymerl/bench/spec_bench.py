@@ -17,6 +17,7 @@ then the run's next epoch.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -188,14 +189,18 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         # identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way.
         epoch2 = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k) for k in range(epoch_seeds)]
         runs = []  # per epoch seed: {mode: (outputs, seconds, engine)}
+        pairs = []  # every (plain, HistoSpec) pair of runs, in order: their tokens/s
         for params in epoch2:
             best: dict[str, tuple] = {}
             for _ in range(repeats):
+                tok_s = {}
                 for mode in ("off", "histospec"):
                     engine = make(model, mode, history)
                     outs, seconds = rollout(engine, prompts, num_generations, params)
+                    tok_s[mode] = engine.stats.generated_tokens / seconds
                     if mode not in best or seconds < best[mode][1]:
                         best[mode] = (outs, seconds, engine)
+                pairs.append((tok_s["off"], tok_s["histospec"]))
             runs.append(best)
         plain_all = [o for r in runs for o in r["off"][0]]  # every epoch's outputs, for the identity rate
         spec_all = [o for r in runs for o in r["histospec"][0]]
@@ -212,6 +217,11 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             "plain_s": round(plain_s, 2), "spec_s": round(spec_s, 2),
             "plain_tok_s": round(tokens_plain / plain_s, 1), "spec_tok_s": round(tokens_spec / spec_s, 1),
             "speedup": _speedup(tokens_spec, spec_s, tokens_plain, plain_s),
+            # The same from each pair of adjacent runs (geometric mean of their ratios), beside every run's
+            # tokens/s: the fastest-run figure above is robust to noise, which only adds time, and this one to
+            # the machine's slow drift, which moves both runs of a pair alike.
+            "speedup_paired": round(math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs)), 3),
+            "runs_tok_s": {"plain": [round(a, 1) for a, _ in pairs], "spec": [round(b, 1) for _, b in pairs]},
             "accept_rate": round(accepted / max(drafted, 1), 3),
             "mean_accepted_len": round(accepted / max(verify_steps, 1), 2),
             "tokens_per_forward": round(tokens_spec / max(sum(x.seq_steps for x in ss), 1), 3),

@@ -241,18 +241,28 @@ class Engine:
         for seq in seqs:
             if seq.spec is None:
                 seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
-        # Only decoding sequences draft, and only while their draft fits in the context.
-        decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids)
-                    and s.num_tokens + self.speculator.max_draft_tokens < self.max_model_len]
+        # Only decoding sequences draft, and no deeper than they may still grow: a response's last tokens
+        # before max_tokens or the context's end draft too (they are a long response's, often a loop's, and
+        # decoding them one per step was a sixth of a T=0.3 tail), but no draft reaches past that end.
+        rooms = [self._draft_room(s) for s in seqs]
+        decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids) and rooms[i] > 0]
         drafts = [empty] * len(seqs)
         if not decoding or self.speculator.drafting_paused(len(seqs)):
             return drafts
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
-        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs), draining=not self.scheduler.waiting)
+        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs), draining=not self.scheduler.waiting,
+                                           max_depths=[rooms[i] for i in decoding])
         for i, d in zip(decoding, proposed):
             drafts[i] = d
         return drafts
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """How deep a draft of `seq` may be: the tokens it may still append (before max_tokens and the end of
+        the context), less the bonus token every step appends. The tree's nodes always fit in the cache:
+        its scratch holds max_draft_tokens positions past the context."""
+        left = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
+        return min(left - 1, self.speculator.max_draft_tokens)
 
     def _walk(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor, rows_per_seq: list[int]):
         """Run every sequence's `verify` walk, one tree level at a time, drawing only at the nodes the

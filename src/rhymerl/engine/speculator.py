@@ -275,10 +275,11 @@ class Speculator:
         return True
 
     def propose(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int,
-                draining: bool = False) -> list[Draft]:
+                draining: bool = False, max_depths: list[int] | None = None) -> list[Draft]:
         """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to what maximises
         expected committed tokens per second of forward time; `seqs` sequences feed `base_tokens` tokens
-        without drafts. Nothing (plain decoding) wins whenever drafts do not pay (a full batch, poor
+        without drafts; `max_depths`: per sequence, how deep its draft may go (default: no limit beyond the
+        drafter's). Nothing (plain decoding) wins whenever drafts do not pay (a full batch, poor
         matches, high temperature). Which nodes compete depends on `draining`:
 
         - requests still waiting for a slot (False): the step's most valuable nodes, whichever sequences
@@ -293,14 +294,14 @@ class Speculator:
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
         drafts, skipped = [], []
-        for ctx, s in zip(contexts, specs):
+        for ctx, s, depth in zip(contexts, specs, max_depths or [None] * len(specs)):
             skipped.append(not s.drafts_now())
             if skipped[-1]:
                 drafts.append(Draft())
             else:
                 s.flush()
                 drafts.append(self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own,
-                                                 max_tokens=s.length))
+                                                 max_tokens=s.length, max_depth=depth))
         reach = [self.depth_discounts(c) for c in range(MATCH_CLASSES)]
         # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
         # (path probability and the depth discount both shrink), and ties go to the lower index (parents
