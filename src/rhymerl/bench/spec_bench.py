@@ -8,7 +8,9 @@ many-token forward differently, so its identity rate is only reported). With `ep
 sampled that many times (seeds seed + 2000, seed + 2001, ...) and the figures are totals over them: in
 bf16 the two sides' samples differ, and one sample's response lengths move its tokens/s. The long tail: the 4 longest
 requests of the plain run, run alone in 4 slots, plain and HistoSpec, in bf16 (where the two runs generate
-different tokens, so different amounts of work) and in fp32 (the same tokens: like for like).
+different tokens, so different amounts of work) and in fp32 (the same tokens: like for like). The ceiling:
+what a perfect drafter would gain, by the forward costs measured at start-up (`CostModel.ceiling`), for the
+full batch and the tail.
 
 With `history_from=RUN_DIR` the history is a real training run's instead: the policy and the history store of
 the run's latest checkpoint, and the prompts it holds (the run's training and validation prompts); epoch 2 is

@@ -243,7 +243,7 @@ class Engine:
                 seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
         # Only decoding sequences draft, and no deeper than they may still grow: a response's last tokens
         # before max_tokens or the context's end draft too (they are a long response's, often a loop's, and
-        # decoding them one per step was a sixth of a T=0.3 tail), but no draft reaches past that end.
+        # decoding them one per step took a sizeable share of a T=0.3 tail), but no draft reaches past that end.
         rooms = [self._draft_room(s) for s in seqs]
         decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids) and rooms[i] > 0]
         drafts = [empty] * len(seqs)
@@ -251,7 +251,8 @@ class Engine:
             return drafts
         contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
-        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs), draining=not self.scheduler.waiting,
+        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs),
+                                           draining=not self.scheduler.waiting,
                                            max_depths=[rooms[i] for i in decoding])
         for i, d in zip(decoding, proposed):
             drafts[i] = d
