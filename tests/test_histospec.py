@@ -5,7 +5,7 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import (PROBE_EVERY, PROBE_MAX, PROBE_NODES, PROBE_SPEND, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel,
+from rhymerl.engine.speculator import (MATCH_WINDOW, PROBE_EVERY, PROBE_MAX, PROBE_NODES, PROBE_SPEND, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel,
                                       DoublingLength, Speculator, _edge_events, _top_nodes, _uniform_cap, is_probe_step,
                                       verify)
 from rhymerl.spec.drafter import Draft
@@ -444,6 +444,34 @@ def test_drafts_reach_the_end_of_the_context_and_never_past_it(model):
     # the prompt's forward gives token 1, then 9 + 9 + 5 (a draft 4 deep: 5 tokens were left)
     assert [o.forwards for o in outs] == [4, 4]
     assert all(d <= r for d, r in zip(depths, rooms)) and 4 in depths
+
+
+def test_a_long_match_tells_apart_responses_that_share_their_last_7_tokens(model):
+    """Two history responses end in the same 7 tokens, then go on differently; what came before those 7
+    tokens says which one a new response is repeating. With the 15-token window the draft follows that one
+    only; a 7-token window drafts both continuations, half the share each. The engine hands the drafter
+    that many recent tokens."""
+    shared, before_a, before_b = [70, 71, 72, 73, 74, 75, 76], [40, 41, 42, 43], [50, 51, 52, 53]
+    response_a, response_b = before_a + shared + [90, 91, 92], before_b + shared + [95, 96, 97]
+    history = HistoryStore()
+    history.record_rollout(PROMPT, [response_a, response_b])
+    context = PROMPT[-4:] + response_a[:11]  # a new response that has repeated response_a so far
+    for window, first in ((MATCH_WINDOW, {90}), (7, {90, 95})):
+        spec = Speculator(FLAT, history, rule="cost", max_draft_tokens=3, correct_cost=False)
+        spec.drafter.max_window = window
+        (draft,) = spec.propose([context], [spec.start("g", PROMPT)], base_tokens=1, seqs=1)
+        assert {t for t, p in zip(draft.tokens, draft.parents) if p < 0} == first
+        assert draft.match_len == window  # the history index holds the prompt in front of each response
+    eng = engine(model, "histospec", history)
+    contexts = []
+    propose = eng.speculator.propose
+    eng.speculator.propose = lambda ctx, *a, **kw: contexts.extend(ctx) or propose(ctx, *a, **kw)
+    prompts = random_prompts(2, seed=42)
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    # each context: a sequence's last MATCH_WINDOW tokens at the time (all of them while it was shorter)
+    tails = [full[max(0, k - MATCH_WINDOW):k] for full in (p + o.token_ids for p, o in zip(prompts, outs))
+             for k in range(1, len(full) + 1)]
+    assert all(c in tails for c in contexts) and any(len(c) == MATCH_WINDOW for c in contexts)
 
 
 def test_calibration_is_kept_per_match_class():

@@ -25,13 +25,12 @@ from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.sequence import RequestOutput, Sequence
-from rhymerl.engine.speculator import CostModel, Speculator, verify
+from rhymerl.engine.speculator import MATCH_WINDOW, CostModel, Speculator, verify
 from rhymerl.model.decoder import Decoder
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore, prompt_key
 
 SPECULATIVE_MODES = ("off", "histospec")
-DRAFT_CONTEXT = 8  # recent tokens the drafter matches (its window is at most 7)
 # Shorter shared prefixes (a BOS, a role tag) are recomputed rather than copied in every layer.
 MIN_SHARED_PREFIX = 8
 
@@ -249,7 +248,7 @@ class Engine:
         drafts = [empty] * len(seqs)
         if not decoding or self.speculator.drafting_paused(len(seqs)):
             return drafts
-        contexts = [_tail(seqs[i], DRAFT_CONTEXT) for i in decoding]
+        contexts = [_tail(seqs[i], MATCH_WINDOW) for i in decoding]  # what the drafter matches
         specs = [seqs[i].spec for i in decoding]
         proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs),
                                            draining=not self.scheduler.waiting,

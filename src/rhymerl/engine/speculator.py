@@ -29,7 +29,14 @@ PROBE_MAX = 64
 # single-token drafts were enough) could stop drafting for a whole rollout.
 PROBE_NODES = 4
 PROBE_SPEND = 0.2
-MATCH_CLASSES = 2  # edge calibration kept apart for drafts from short matches and from whole-window ones
+# The drafter matches up to MATCH_WINDOW recent tokens (the issue's example is 7). A longer match tells apart
+# sources that agree on the last 7 tokens but not before: two responses caught in similar loops, or a
+# history response that shares a phrase but not the sentence. On the T=0.3 tail a 15-token window took
+# clearly fewer forwards than 7 (docs/benchmarks.md, fifteenth session); 23 gained nothing more.
+MATCH_WINDOW = 15
+# Edge calibration is kept apart for drafts from matches shorter than LONG_MATCH tokens and the rest.
+LONG_MATCH = 7
+MATCH_CLASSES = 2
 
 
 def is_probe_step(idle: int) -> bool:
@@ -218,7 +225,7 @@ class Speculator:
             raise ValueError(f"draft_rule must be one of {sorted(LENGTH_RULES)}, got {rule!r}")
         self.rule = LENGTH_RULES[rule](max_draft_tokens) if rule == "cost" else LENGTH_RULES[rule]()
         self.drafter = Drafter(history, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
-                               max_branches=max_branches, eos_token_ids=eos_token_ids)
+                               max_branches=max_branches, max_window=MATCH_WINDOW, eos_token_ids=eos_token_ids)
         self.max_draft_tokens = max_draft_tokens
         self.groups: dict[object, SiblingGroup] = {}  # group key -> the siblings' index
         self.stats = SpecStats()
@@ -230,8 +237,8 @@ class Speculator:
         # response that has followed its history for 10 tokens is copying a span and likely goes on, while
         # the first edge is where most drafts fail; one constant c (c**k) made long chains look worth far
         # less than they are and kept the tail's drafts short.
-        # Also by match class (`match_class`): a draft whose match filled the drafter's whole window is
-        # followed more often than one from a 2-token match.
+        # Also by match class (`match_class`): a draft from a match of LONG_MATCH tokens or more is followed
+        # more often than one from a 2-token match.
         self._calib_num = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # decayed continuations seen
         self._calib_den = [[0.0] * (max_draft_tokens + 1) for _ in range(MATCH_CLASSES)]  # ... and predicted
         # Consecutive steps (per batch-size bucket) whose drafts did not pay for the drafting (a zero budget,
@@ -348,9 +355,10 @@ class Speculator:
         return out
 
     def match_class(self, match_len: int) -> int:
-        """0: the draft's match was shorter than the drafter's window; 1: it filled the window. The policy
-        follows the second kind clearly more often (docs/benchmarks.md, tenth session)."""
-        return int(match_len >= self.drafter.max_window)
+        """0: the draft's match was shorter than LONG_MATCH tokens; 1: it was not. The policy follows the
+        second kind clearly more often (docs/benchmarks.md, tenth session, when LONG_MATCH was the whole
+        window)."""
+        return int(match_len >= LONG_MATCH)
 
     def edge_calibration(self, match_class: int | None = None) -> list[float]:
         """c_d for d = 0..max_draft_tokens-1: the calibrated continuation factor out of depth d, for drafts
