@@ -189,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--slots", type=int, default=32, help="sequences decoded together")
     bs.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
-    bs.add_argument("--repeats", type=int, default=2,
-                    help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its fastest")
+    bs.add_argument("--repeats", type=int, default=3,
+                    help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its "
+                         "fastest (with 2, a machine whose speed drifts by a few percent left one side on a slow "
+                         "stretch in some runs)")
     bs.add_argument("--epoch-seeds", type=int, default=1,
                     help="timed epochs with seeds seed+2000, seed+2001, ...; figures are totals over them (the tail and "
                          "identity use the first)")

@@ -114,7 +114,7 @@ def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float)
 
 def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=2, epoch_seeds=1, device=None) -> dict:
+        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=3, epoch_seeds=1, device=None) -> dict:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if epoch_seeds < 1:
