@@ -25,7 +25,7 @@ from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.sequence import RequestOutput, Sequence
-from rhymerl.engine.speculator import MATCH_WINDOW, CostModel, Speculator, verify
+from rhymerl.engine.speculator import CostModel, Speculator, verify
 from rhymerl.model.decoder import Decoder
 from rhymerl.spec.drafter import Draft
 from rhymerl.spec.history import HistoryStore, prompt_key
@@ -248,7 +248,8 @@ class Engine:
         drafts = [empty] * len(seqs)
         if not decoding or self.speculator.drafting_paused(len(seqs)):
             return drafts
-        contexts = [_tail(seqs[i], MATCH_WINDOW) for i in decoding]  # what the drafter matches
+        window = self.speculator.drafter.max_window  # the recent tokens the drafter matches
+        contexts = [_tail(seqs[i], window) for i in decoding]
         specs = [seqs[i].spec for i in decoding]
         proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs),
                                            draining=not self.scheduler.waiting,
