@@ -158,20 +158,19 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         return engine
 
     identity_len = max(map(len, prompts[:identity_prompts]), default=0) + identity_max_tokens
-    shapes = [(model, slots, max_len), (model, TAIL, max_len)]
+    timed = {"full": (model, slots), "tail": (model, TAIL)}  # the timed engine shapes, by name
     if fp32 is not None and fp32 is not model:
-        shapes.append((fp32, TAIL, max_len))  # the fp32 tail
+        timed["tail_fp32"] = (fp32, TAIL)
+    shapes = [(m, n_slots, max_len) for m, n_slots in timed.values()]
     if fp32 is not None:
         shapes.append((fp32, 8, identity_len))  # the identity check
     for m, n_slots, length in shapes:  # measured before any timed run, untimed
         make(m, "histospec", n_slots=n_slots, length=length)
     # What this machine allows at all: the speed-up of a perfect drafter by the measured forward costs
-    # (`CostModel.ceiling`), for the full batch and for the tail. Where a target is above it, no drafter
+    # (`CostModel.ceiling`), for the full batch and for the tails. Where a target is above it, no drafter
     # can reach it here.
     ceiling = {}
-    for name, m, n_slots in (("full", model, slots), ("tail", model, TAIL), ("tail_fp32", fp32, TAIL)):
-        if name == "tail_fp32" and (fp32 is None or fp32 is model):
-            continue
+    for name, (m, n_slots) in timed.items():
         speedup, t = costs[(id(m), n_slots, max_len)].ceiling(n_slots, max_draft_tokens + 1)
         ceiling[name] = {"speedup": round(speedup, 3), "tokens_per_seq": t}
 
