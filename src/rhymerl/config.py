@@ -1,27 +1,31 @@
-"""The typed config of `rhymerl train`: dataclass sections, YAML + `key=value` overrides, validation.
+"""The typed config of `rhymerl train`: OmegaConf structured configs over dataclass sections.
 
-A config is built in three layers, later ones winning:
+A config is built in three layers, later ones winning (verl's convention):
 
-1. the dataclass defaults below (they run the embedded arithmetic job on smollm2-135m);
+1. the dataclass defaults below, which are the schema (they run the embedded arithmetic job on smollm2-135m);
 2. an optional YAML file, a mapping of sections (``rollout: {temperature: 0.6}``);
-3. command-line overrides ``section.field=value``, applied in order.
+3. command-line overrides ``section.field=value`` (an OmegaConf dotlist), applied in order.
 
-Every value is checked against its field's annotated type, then `validate` checks ranges and
-choices. All failures raise `ConfigError` with a message that names the key (and the file).
+OmegaConf merges each layer into the schema, converting and type-checking every value; `OmegaConf.to_object`
+then gives plain dataclasses, and `validate` has each section check its own ranges and choices. All failures
+raise `ConfigError` with a message that names the key (and the file).
 
 No torch here: the CLI must be able to print `--help` and reject a bad config instantly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import typing
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
@@ -32,7 +36,7 @@ __all__ = [
     "validate",
 ]
 
-# Allowed values of the enum-like string fields (validate checks them). This module stays torch-free (so
+# Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so
 # `rhymerl train --help` is instant), hence copies of the torch modules' lists; tests/test_trainer.py checks
 # that each copy equals what the implementing module accepts.
 SPECULATIVE_MODES = ("histospec", "off")
@@ -55,11 +59,48 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any
     return field(default=default, metadata=meta)
 
 
+def _is_a(value: Any, typ: type) -> bool:
+    """`value` fits a field of type `typ` (an int fits a float; a bool is not a number)."""
+    return isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
+
+
+class _Section:
+    """A config section; it validates itself (types, finite numbers, choices, then its `_rules`)."""
+
+    def _rules(self) -> list[tuple]:
+        """(field, holds, rule[, note]) range checks of the section; run once the types are right."""
+        return []
+
+    def validate(self) -> list[str]:
+        """Every invalid value of this section, one line each naming its key; [] when valid."""
+        section = _SECTION_NAMES[type(self)]
+        types = _TYPES[section]
+
+        def bad(name: str, rule: str, note: str = "") -> str:
+            return f"{section}.{name}: must be {rule}, got {getattr(self, name)!r}{note}"
+
+        errors = []
+        for f in fields(self):  # type: ignore[arg-type]
+            value, typ = getattr(self, f.name), types[f.name]
+            if not _is_a(value, typ):
+                hint = " (true/false)" if typ is bool else ""
+                errors.append(f"{section}.{f.name}: expected {typ.__name__}{hint}, got {value!r}")
+            elif typ is float and not math.isfinite(value):
+                errors.append(bad(f.name, "a finite number"))
+        if errors:  # range checks on a value of the wrong type would raise TypeError
+            return errors
+        for f in fields(self):  # type: ignore[arg-type]
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                errors.append(bad(f.name, f"one of {', '.join(map(repr, choices))}"))
+        return errors + [bad(name, rule, *note) for name, holds, rule, *note in self._rules() if not holds]
+
+
 # ---------------------------------------------------------------- sections
 
 
 @dataclass
-class ModelSection:
+class ModelSection(_Section):
     """The policy model and how it is fine-tuned."""
 
     name: str = _opt("smollm2-135m", "built-in name, HF model dir, .gguf file or hub id")
@@ -67,9 +108,14 @@ class ModelSection:
     lora_alpha: int = _opt(32, "LoRA alpha (scale = alpha / r)")
     lora_dropout: float = _opt(0.0, "LoRA dropout, in [0, 1)")
 
+    def _rules(self) -> list[tuple]:
+        return [("name", self.name.strip() != "", "non-empty"), ("lora_r", self.lora_r >= 0, ">= 0"),
+                ("lora_alpha", self.lora_alpha > 0, "> 0"),
+                ("lora_dropout", 0 <= self.lora_dropout < 1, "in [0, 1)")]
+
 
 @dataclass
-class DataSection:
+class DataSection(_Section):
     """Training and validation prompts."""
 
     task: str = _opt("arithmetic", "built-in task, used when train_files is empty", BUILTIN_TASKS)
@@ -81,18 +127,29 @@ class DataSection:
     skip_malformed: bool = _opt(False, "skip and count malformed dataset rows instead of failing")
     shuffle: bool = _opt(True, "shuffle the prompts every epoch")
 
+    def _rules(self) -> list[tuple]:
+        return [("num_train_prompts", self.num_train_prompts >= 1, ">= 1"),
+                ("num_val_prompts", self.num_val_prompts >= 0, ">= 0"),
+                ("max_prompt_length", self.max_prompt_length >= 1, ">= 1")]
+
 
 @dataclass
-class RewardSection:
+class RewardSection(_Section):
     """How completions are scored."""
 
     format_weight: float = _opt(0.2, "weight of the format reward added to correctness")
     function: str = _opt("", "user reward 'module:function' or 'path/to/file.py:function'; "
                               "replaces the built-in scorer")
 
+    def _rules(self) -> list[tuple]:
+        module, _, func = self.function.rpartition(":")
+        return [("format_weight", self.format_weight >= 0, ">= 0"),
+                ("function", not self.function or (bool(module) and func.isidentifier()),
+                 "'module:function' or 'path/to/file.py:function'")]
+
 
 @dataclass
-class RolloutSection:
+class RolloutSection(_Section):
     """Generation of the completions (the rollout engine)."""
 
     num_generations: int = _opt(8, "completions per prompt (the GRPO group size, >= 2)")
@@ -109,9 +166,18 @@ class RolloutSection:
     draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; "
                            "aimd = the paper's +2 / back to 2; doubling = x2 / halve", DRAFT_RULES)
 
+    def _rules(self) -> list[tuple]:
+        return [("num_generations", self.num_generations >= 2, ">= 2",
+                 " (GRPO compares completions of one prompt: a group of 1 has zero advantage)"),
+                ("max_completion_length", self.max_completion_length >= 1, ">= 1"),
+                ("temperature", self.temperature >= 0, ">= 0"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                ("top_k", self.top_k >= 0, ">= 0"), ("num_slots", self.num_slots >= 1, ">= 1"),
+                ("history_rollouts", self.history_rollouts >= 1, ">= 1"),
+                ("max_draft_tokens", self.max_draft_tokens >= 1, ">= 1")]
+
 
 @dataclass
-class TrainSection:
+class TrainSection(_Section):
     """The optimiser and the GRPO loss."""
 
     total_steps: int = _opt(40, "optimiser steps (each on one rollout batch)")
@@ -137,18 +203,34 @@ class TrainSection:
     beta: float = _opt(0.0, "KL coefficient (reference model loaded only when > 0)")
     scale_rewards: str = _opt("group", "std used to scale advantages", SCALE_REWARDS)
 
+    def _rules(self) -> list[tuple]:
+        return [("total_steps", self.total_steps >= 1, ">= 1"), ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"),
+                ("micro_batch_size", self.micro_batch_size >= 1, ">= 1"),
+                ("learning_rate", self.learning_rate > 0, "> 0"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                ("adam_beta1", 0 <= self.adam_beta1 < 1, "in [0, 1)"),
+                ("adam_beta2", 0 <= self.adam_beta2 < 1, "in [0, 1)"),
+                ("max_grad_norm", self.max_grad_norm >= 0, ">= 0 (0 = no clipping)"),
+                ("num_iterations", self.num_iterations >= 1, ">= 1"), ("epsilon", self.epsilon > 0, "> 0"),
+                ("epsilon_high", self.epsilon_high >= self.epsilon, f">= train.epsilon ({self.epsilon!r})"),
+                ("beta", self.beta >= 0, ">= 0")]
+
 
 @dataclass
-class ValSection:
+class ValSection(_Section):
     """Periodic validation on held-out prompts."""
 
     every: int = _opt(10, "validate every N steps (0 = never); also at the end")
     temperature: float = _opt(0.0, "sampling temperature (0 = greedy)")
     max_completion_length: int = _opt(128, "max new tokens per completion")
 
+    def _rules(self) -> list[tuple]:
+        return [("every", self.every >= 0, ">= 0"), ("temperature", self.temperature >= 0, ">= 0"),
+                ("max_completion_length", self.max_completion_length >= 1, ">= 1")]
+
 
 @dataclass
-class RunSection:
+class RunSection(_Section):
     """Output, checkpoints and logging."""
 
     output_dir: str = _opt("", "run directory; empty = runs/<UTC timestamp>")
@@ -158,6 +240,9 @@ class RunSection:
     tensorboard: bool = _opt(True, "write TensorBoard event files")
     wandb: bool = _opt(False, "log to Weights & Biases as well (needs wandb installed)")
     progress: bool = _opt(True, "show a progress bar")
+
+    def _rules(self) -> list[tuple]:
+        return [("save_every", self.save_every >= 0, ">= 0"), ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1")]
 
 
 @dataclass
@@ -173,16 +258,12 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
 
 
-# ---------------------------------------------------------------- schema
+# ---------------------------------------------------------------- schema lookups and merging
 
-# section -> (section class, {field name -> (resolved type, dataclass Field)}). The annotations are
-# strings (`from __future__ import annotations`), so they are resolved once here.
-_SCHEMA: dict[str, tuple[type, dict[str, tuple[type, Field]]]] = {}
-for _sec in fields(TrainConfig):
-    _cls = typing.get_type_hints(TrainConfig)[_sec.name]
-    _hints = typing.get_type_hints(_cls)
-    _SCHEMA[_sec.name] = (_cls, {f.name: (_hints[f.name], f) for f in fields(_cls)})
-_ALL_KEYS = [f"{s}.{name}" for s, (_, fs) in _SCHEMA.items() for name in fs]
+# The annotations are strings (`from __future__ import annotations`), so they are resolved once here.
+_SECTION_NAMES: dict[type, str] = {typing.get_type_hints(TrainConfig)[f.name]: f.name for f in fields(TrainConfig)}
+_TYPES: dict[str, dict[str, type]] = {s: typing.get_type_hints(cls) for cls, s in _SECTION_NAMES.items()}
+_ALL_KEYS = [f"{s}.{name}" for s, types in _TYPES.items() for name in types]
 
 
 def _suggest(name: str, candidates: Sequence[str]) -> str:
@@ -193,97 +274,81 @@ def _suggest(name: str, candidates: Sequence[str]) -> str:
     return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
-def _lookup(key: str, where: str) -> tuple[str, str, type]:
-    """Split 'section.field' into its parts and type; `where` prefixes errors (a file name or '')."""
+def _type_of(key: str, where: str) -> type:
+    """The type of field 'section.field'; `where` prefixes errors (a file name and ': ', or '')."""
     section, _, name = key.partition(".")
-    if section not in _SCHEMA or name not in _SCHEMA[section][1]:
+    if name not in _TYPES.get(section, {}):
         raise ConfigError(f"{where}unknown key {key!r}{_suggest(key, _ALL_KEYS)}")
-    return section, name, _SCHEMA[section][1][name][0]
+    return _TYPES[section][name]
 
 
-def _coerce(key: str, value: Any, typ: type) -> Any:
-    """`value` checked against (and converted to) the field type `typ`; ConfigError names `key`."""
-    ok = False
-    if typ is bool:
-        ok = isinstance(value, bool)
-    elif typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif typ is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads '1e-5' (no dot) as a string: accept any number Python can parse.
-            try:
-                value = float(value.strip())
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value, ok = float(value), True
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-    elif typ is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)  # `name: 123` in a YAML file means the string "123"
-        ok = isinstance(value, str)
-    else:  # pragma: no cover - guards against a new field type nobody taught _coerce
-        raise TypeError(f"{key}: unsupported config field type {typ!r}")
-    if not ok:
-        hint = " (true/false)" if typ is bool else ""
-        raise ConfigError(f"{key}: expected {typ.__name__}{hint}, got {value!r}")
-    return value
-
-
-def _parse_override(text: str) -> tuple[str, str, Any]:
-    """`section.field=value` -> (section, field, typed value)."""
-    key, sep, raw = text.partition("=")
-    key, raw = key.strip(), raw.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.temperature=0.6)")
-    section, name, typ = _lookup(key, "")
-    if typ is str:
-        # A str field takes the text as typed ('model.name=123' is "123"); quotes are only stripped.
-        value: Any = raw
-        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-            try:
-                value = yaml.safe_load(raw)
-            except yaml.YAMLError:
-                value = raw
-    else:
-        try:
-            value = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError:
-            value = raw  # _coerce rejects it with the key in the message
-    return section, name, _coerce(key, value, typ)
-
-
-def _merge_mapping(values: dict[str, dict[str, Any]], data: Any, source: str) -> None:
-    """Merge a nested {section: {field: value}} mapping into `values`, checking names and types."""
-    where = f"{source}: " if source else ""
+def _merge(conf: DictConfig, data: Any, where: str) -> DictConfig:
+    """`conf` with the {section: {field: value}} mapping `data` merged in by OmegaConf (which converts and
+    type-checks each value); the layout and key names are checked here first, for messages that suggest."""
     if data is None:  # an empty YAML file
-        return
+        return conf
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}top level must be a mapping of sections ({', '.join(_SCHEMA)}), "
+        raise ConfigError(f"{where}top level must be a mapping of sections ({', '.join(_TYPES)}), "
                           f"got {type(data).__name__}")
     for section, body in data.items():
-        if section not in _SCHEMA:
+        if section not in _TYPES:
             if isinstance(section, str) and section in _ALL_KEYS:
                 s, _, f = section.partition(".")
                 raise ConfigError(f"{where}keys are nested by section: write '{s}: {{{f}: ...}}', not {section!r}")
-            raise ConfigError(f"{where}unknown section {section!r}{_suggest(str(section), list(_SCHEMA))}; "
-                              f"sections are {', '.join(_SCHEMA)}")
-        if body is None:  # `rollout:` with nothing under it
-            continue
-        if not isinstance(body, dict):
+            raise ConfigError(f"{where}unknown section {section!r}{_suggest(str(section), list(_TYPES))}; "
+                              f"sections are {', '.join(_TYPES)}")
+        if body is not None and not isinstance(body, dict):
             raise ConfigError(f"{where}section {section!r} must be a mapping, got {type(body).__name__}")
-        for name, value in body.items():
+        for name, value in (body or {}).items():
             key = f"{section}.{name}"
-            _, _, typ = _lookup(key, where)
+            # OmegaConf would read 1, 0 and 'yes' as booleans; a config file means true/false.
+            if _type_of(key, where) is bool and not isinstance(value, bool):
+                raise ConfigError(f"{where}{key}: expected bool (true/false), got {value!r}")
+    try:
+        return typing.cast(DictConfig, OmegaConf.merge(conf, {s: b for s, b in data.items() if b is not None}))
+    except OmegaConfBaseException as e:
+        raise ConfigError(where + _message(e)) from None
+
+
+def _message(e: OmegaConfBaseException) -> str:
+    """An OmegaConf error as one line naming the key."""
+    key = e.full_key or ""
+    if key in _ALL_KEYS:  # a value OmegaConf cannot convert to the field's type
+        return f"{key}: expected {_type_of(key, '').__name__}, got {e.value!r}"
+    return f"{key}: {e.msg}" if key else str(e.msg or e)
+
+
+def _parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`section.field=value` overrides as a nested mapping, values typed by OmegaConf's dotlist grammar."""
+    data: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.temperature=0.6)")
+        section, _, name = key.partition(".")
+        value: Any = raw
+        if _type_of(key, "") is str:
+            # A str field takes the text as typed ('model.name=123' is "123"); quotes are only stripped.
+            if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+                value = raw[1:-1]
+        else:
             try:
-                values[section][name] = _coerce(key, value, typ)
-            except ConfigError as e:
-                raise ConfigError(f"{where}{e}") from None
+                value = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}={raw}"]))[section][name]  # type: ignore[index]
+            except (yaml.YAMLError, OmegaConfBaseException):
+                pass  # the merge rejects the raw text with the key in the message
+        data.setdefault(section, {})[name] = value
+    return data
 
 
-def _build(values: dict[str, dict[str, Any]]) -> TrainConfig:
-    return TrainConfig(**{s: _SCHEMA[s][0](**values[s]) for s in _SCHEMA})
+def _finish(conf: DictConfig, where: str) -> TrainConfig:
+    """The merged config as plain dataclasses, validated."""
+    try:
+        cfg = typing.cast(TrainConfig, OmegaConf.to_object(conf))
+    except OmegaConfBaseException as e:  # e.g. an unresolvable ${...} interpolation
+        raise ConfigError(where + _message(e)) from None
+    validate(cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------- public API
@@ -291,7 +356,7 @@ def _build(values: dict[str, dict[str, Any]]) -> TrainConfig:
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     """The config as a nested plain dict, sections and fields in declaration order."""
-    return {s: {name: getattr(getattr(cfg, s), name) for name in fs} for s, (_, fs) in _SCHEMA.items()}
+    return dataclasses.asdict(cfg)
 
 
 def config_from_dict(d: dict[str, Any], source: str = "") -> TrainConfig:
@@ -299,18 +364,15 @@ def config_from_dict(d: dict[str, Any], source: str = "") -> TrainConfig:
 
     `source` (e.g. a file name) prefixes error messages.
     """
-    values = config_to_dict(TrainConfig())
-    _merge_mapping(values, d, source)
-    cfg = _build(values)
-    validate(cfg)
-    return cfg
+    where = f"{source}: " if source else ""
+    return _finish(_merge(OmegaConf.structured(TrainConfig), d, where), where)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Defaults <- YAML file at `path` (if given) <- `section.field=value` overrides in order; validated."""
     if isinstance(overrides, str):  # a lone string would be iterated character by character
         raise TypeError("load_config: overrides must be a sequence of 'key=value' strings, not a str")
-    values = config_to_dict(TrainConfig())
+    conf = OmegaConf.structured(TrainConfig)
     if path is not None:
         path = Path(path)
         try:
@@ -318,16 +380,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except OSError as e:
             raise ConfigError(f"{path}: cannot read config file ({e.strerror or e})") from None
         try:
+            # PyYAML, not OmegaConf.load: a str field keeps '1e-5' as written; a float field converts it
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        _merge_mapping(values, data, str(path))
-    for text in overrides:
-        section, name, value = _parse_override(text)
-        values[section][name] = value
-    cfg = _build(values)
-    validate(cfg)
-    return cfg
+        conf = _merge(conf, data, f"{path}: ")
+    return _finish(_merge(conf, _parse_overrides(overrides), ""), "")
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
@@ -337,74 +395,7 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError listing every invalid value (one line each, naming its key); None if valid."""
-    # Types first: range checks on a value of the wrong type would raise TypeError instead.
-    errors = []
-    for key in _ALL_KEYS:
-        section, name = key.split(".")
-        try:
-            _coerce(key, getattr(getattr(cfg, section), name), _SCHEMA[section][1][name][0])
-        except ConfigError as e:
-            errors.append(str(e))
-    if errors:
-        raise ConfigError("\n".join(errors))
-
-    def need(ok: bool, key: str, rule: str, note: str = "") -> None:
-        if not ok:
-            section, name = key.split(".")
-            errors.append(f"{key}: must be {rule}, got {getattr(getattr(cfg, section), name)!r}{note}")
-
-    for key in _ALL_KEYS:
-        section, name = key.split(".")
-        choices = _SCHEMA[section][1][name][1].metadata.get("choices")
-        if choices is not None:
-            need(getattr(getattr(cfg, section), name) in choices, key, f"one of {', '.join(map(repr, choices))}")
-
-    m, d, r, ro, t, v, run = cfg.model, cfg.data, cfg.reward, cfg.rollout, cfg.train, cfg.val, cfg.run
-    need(m.name.strip() != "", "model.name", "non-empty")
-    need(m.lora_r >= 0, "model.lora_r", ">= 0")
-    need(m.lora_alpha > 0, "model.lora_alpha", "> 0")
-    need(0 <= m.lora_dropout < 1, "model.lora_dropout", "in [0, 1)")
-
-    need(d.num_train_prompts >= 1, "data.num_train_prompts", ">= 1")
-    need(d.num_val_prompts >= 0, "data.num_val_prompts", ">= 0")
-    need(d.max_prompt_length >= 1, "data.max_prompt_length", ">= 1")
-
-    need(r.format_weight >= 0, "reward.format_weight", ">= 0")
-    if r.function:
-        module, _, func = r.function.rpartition(":")
-        need(bool(module) and func.isidentifier(), "reward.function",
-             "'module:function' or 'path/to/file.py:function'")
-
-    need(ro.num_generations >= 2, "rollout.num_generations", ">= 2",
-         " (GRPO compares completions of one prompt: a group of 1 has zero advantage)")
-    need(ro.max_completion_length >= 1, "rollout.max_completion_length", ">= 1")
-    need(ro.temperature >= 0, "rollout.temperature", ">= 0")
-    need(0 < ro.top_p <= 1, "rollout.top_p", "in (0, 1]")
-    need(ro.top_k >= 0, "rollout.top_k", ">= 0")
-    need(ro.num_slots >= 1, "rollout.num_slots", ">= 1")
-    need(ro.history_rollouts >= 1, "rollout.history_rollouts", ">= 1")
-    need(ro.max_draft_tokens >= 1, "rollout.max_draft_tokens", ">= 1")
-
-    need(t.total_steps >= 1, "train.total_steps", ">= 1")
-    need(t.prompts_per_step >= 1, "train.prompts_per_step", ">= 1")
-    need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1")
-    need(t.learning_rate > 0, "train.learning_rate", "> 0")
-    need(t.warmup_steps >= 0, "train.warmup_steps", ">= 0")
-    need(t.weight_decay >= 0, "train.weight_decay", ">= 0")
-    need(0 <= t.adam_beta1 < 1, "train.adam_beta1", "in [0, 1)")
-    need(0 <= t.adam_beta2 < 1, "train.adam_beta2", "in [0, 1)")
-    need(t.max_grad_norm >= 0, "train.max_grad_norm", ">= 0 (0 = no clipping)")
-    need(t.num_iterations >= 1, "train.num_iterations", ">= 1")
-    need(t.epsilon > 0, "train.epsilon", "> 0")
-    need(t.epsilon_high >= t.epsilon, "train.epsilon_high", f">= train.epsilon ({t.epsilon!r})")
-    need(t.beta >= 0, "train.beta", ">= 0")
-
-    need(v.every >= 0, "val.every", ">= 0")
-    need(v.temperature >= 0, "val.temperature", ">= 0")
-    need(v.max_completion_length >= 1, "val.max_completion_length", ">= 1")
-
-    need(run.save_every >= 0, "run.save_every", ">= 0")
-    need(run.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1")
+    errors = [line for f in fields(cfg) for line in getattr(cfg, f.name).validate()]
     if errors:
         raise ConfigError("\n".join(errors))
 
@@ -421,19 +412,18 @@ def _show(value: Any) -> str:
 def config_help() -> str:
     """Every key as `section.field  type = default  help`, grouped by section (for `rhymerl train --help`)."""
     rows = []
-    for section, (cls, fs) in _SCHEMA.items():
-        for name, (typ, f) in fs.items():
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    for cls, section in _SECTION_NAMES.items():
+        for f in fields(cls):
             text = f.metadata.get("help", "")
             if "choices" in f.metadata:
                 text += f" [{' | '.join(f.metadata['choices'])}]"
-            rows.append((section, f"{section}.{name}", f"{typ.__name__} = {_show(default)}", text))
+            rows.append((section, f"{section}.{f.name}", f"{_TYPES[section][f.name].__name__} = {_show(f.default)}",
+                         text))
     w_key = max(len(r[1]) for r in rows)
     w_type = max(len(r[2]) for r in rows)
     lines: list[str] = []
-    for section, (cls, _) in _SCHEMA.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        lines.append(f"{section}:  {doc}".rstrip())
+    for cls, section in _SECTION_NAMES.items():
+        lines.append(f"{section}:  {(cls.__doc__ or '').strip().splitlines()[0]}".rstrip())
         for sec, key, typ_default, text in rows:
             if sec == section:
                 lines.append(f"  {key:<{w_key}}  {typ_default:<{w_type}}  {text}".rstrip())
