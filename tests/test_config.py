@@ -10,8 +10,10 @@ import pytest
 
 from rhymerl.config import (
     ConfigError,
+    ModelSection,
     RolloutSection,
     TrainConfig,
+    TrainSection,
     config_from_dict,
     config_help,
     config_to_dict,
@@ -141,6 +143,61 @@ def test_validate_reports_every_error_at_once():
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert "rollout.temperature" in str(e.value) and "rollout.top_p" in str(e.value)
+
+
+def test_each_section_validates_itself():
+    for f in dataclasses.fields(TrainConfig):
+        assert getattr(TrainConfig(), f.name).validate() == []  # defaults are valid
+    assert RolloutSection(top_p=2.0, draft_rule="x").validate() == [  # in field order
+        "rollout.top_p: must be in (0, 1], got 2.0",
+        "rollout.draft_rule: must be one of 'aimd', 'doubling', 'cost', got 'x'"]
+    assert TrainSection(epsilon=0.3, epsilon_high=0.25).validate() == [
+        "train.epsilon_high: must be >= train.epsilon (0.3), got 0.25"]
+    assert ModelSection(name=" ").validate() == ["model.name: must be non-empty, got ' '"]
+
+
+def test_validate_collects_errors_across_sections():
+    cfg = dataclasses.replace(TrainConfig(), model=ModelSection(lora_r=-1),
+                              rollout=RolloutSection(num_generations=1), train=TrainSection(learning_rate=0.0))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    lines = str(e.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["model.lora_r", "rollout.num_generations", "train.learning_rate"]
+
+
+@pytest.mark.parametrize("override, ok", [
+    ("rollout.top_p=1", True), ("rollout.top_p=1e-9", True), ("rollout.top_p=1.01", False),
+    ("model.lora_dropout=0", True), ("model.lora_dropout=0.999", True), ("train.adam_beta2=1", False),
+    ("model.lora_alpha=1", True), ("model.lora_alpha=0", False), ("rollout.num_slots=0", False),
+    ("train.epsilon_high=0.2", True),
+])
+def test_range_bounds_are_inclusive_where_written(override, ok):
+    if ok:
+        load_config(overrides=[override])
+    else:
+        with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.") + ": must be"):
+            load_config(overrides=[override])
+
+
+def test_the_result_is_plain_dataclasses():
+    cfg = load_config(overrides=["rollout.temperature=0.6"])
+    assert type(cfg) is TrainConfig and type(cfg.rollout) is RolloutSection and type(cfg.train) is TrainSection
+    assert dataclasses.replace(cfg.rollout, temperature=0.7).temperature == 0.7
+
+
+def test_yaml_file_numbers_strings_and_exponents(tmp_path):
+    path = write(tmp_path, "train:\n  learning_rate: 1e-5\nmodel:\n  name: 1e-5\nrollout:\n  temperature: 1\n")
+    cfg = load_config(path)
+    assert cfg.train.learning_rate == 1e-5 and cfg.model.name == "1e-5"
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+
+
+def test_interpolation_errors_name_the_key(monkeypatch):
+    monkeypatch.setenv("RHYMERL_TEST_TEMPERATURE", "0.25")
+    assert load_config(overrides=["rollout.temperature=${oc.env:RHYMERL_TEST_TEMPERATURE}"]).rollout.temperature \
+        == 0.25
+    with pytest.raises(ConfigError, match=r"^rollout\.temperature: .*RHYMERL_TEST_NOT_SET"):
+        load_config(overrides=["rollout.temperature=${oc.env:RHYMERL_TEST_NOT_SET}"])
 
 
 def test_validate_catches_wrong_types_set_in_code():
