@@ -96,6 +96,17 @@ def test_bad_types_name_the_key(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("run:\n  wandb: 1\n", "run.wandb: expected bool (true/false), got 1"),
+    ("run:\n  wandb: 'yes'\n", "run.wandb: expected bool (true/false), got 'yes'"),
+    ("run:\n  output_dir: true\n", "run.output_dir: expected str, got True"),
+    ("train:\n  learning_rate: true\n", "train.learning_rate: expected float, got True"),
+])
+def test_true_false_only_for_bool_fields_in_yaml(tmp_path, text, message):
+    with pytest.raises(ConfigError, match="config.yaml: " + message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(write(tmp_path, text))
+
+
 def test_bad_type_in_yaml_names_file_and_key(tmp_path):
     path = write(tmp_path, "train:\n  learning_rate: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"config\.yaml: train\.learning_rate: expected float"):

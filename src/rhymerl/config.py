@@ -285,9 +285,12 @@ def _merge(conf: DictConfig, data: Any, where: str) -> DictConfig:
             raise ConfigError(f"{where}section {section!r} must be a mapping, got {type(body).__name__}")
         for name, value in (body or {}).items():
             key = f"{section}.{name}"
-            # OmegaConf would read 1, 0 and 'yes' as booleans; a config file means true/false.
-            if _type_of(key, where) is bool and not isinstance(value, bool):
-                raise ConfigError(f"{where}{key}: expected bool (true/false), got {value!r}")
+            # true/false only for a bool field, and only there: OmegaConf would take 1 or 'yes' as true, and
+            # a true as the str 'True' or the float 1.0.
+            typ = _type_of(key, where)
+            if (typ is bool) != isinstance(value, bool):
+                hint = " (true/false)" if typ is bool else ""
+                raise ConfigError(f"{where}{key}: expected {typ.__name__}{hint}, got {value!r}")
     try:
         return typing.cast(DictConfig, OmegaConf.merge(conf, {s: b for s, b in data.items() if b is not None}))
     except OmegaConfBaseException as e:
