@@ -28,4 +28,4 @@ fi
 echo "[setup] model smollm2-135m: $("$VENV/bin/python" -m rhymerl.model.fetch smollm2-135m)"
 # The fused CPU kernels: built once here so that the first run does not pause for it; without a C++
 # compiler this warns and rhymerl runs the eager forward.
-echo "[setup] fused CPU kernels: $("$VENV/bin/python" -c 'from rhymerl.model import native; print("ready" if native.ops() else "unavailable, eager forward")')"
+echo "[setup] fused CPU kernels: $("$VENV/bin/python" -c 'from rhymerl.engine.backends import native; print("ready" if native.ops() else "unavailable, eager forward")')"

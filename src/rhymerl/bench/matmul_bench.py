@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
-from rhymerl.model import native
+from rhymerl.engine.backends import native
+from rhymerl.engine.backends.cpu_weights import model_weights
 from rhymerl.model.decoder import Linear
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.weights import load_decoder
@@ -37,16 +38,17 @@ def run(model_name: str = "smollm2-135m", rows=(1, 8, 32, 64, 96, 128), repeats:
         raise RuntimeError("bench matmul needs the fused CPU kernels on a CPU with AMX-BF16 tiles "
                            "(ops.tile_linear_supported() is false here)")
     model = load_decoder(resolve_model_dir(model_name), torch.bfloat16, "cpu")  # no tokenizer needed
-    if not model.enable_packing():
+    weights = model_weights(model)
+    if not weights.packable():
         raise RuntimeError("bench matmul: oneDNN has no prepacked bf16 matmul on this CPU")
-    if not model.tiles_fit():
+    if not weights.tiles_fit():
         raise RuntimeError(f"bench matmul: {model_name} has a weight that the tile layout does not take")
     linears = _forward_linears(model)
     g = torch.Generator().manual_seed(seed)
     results = {}
     with torch.inference_mode():
-        onednn = [lin.inference_weight()[0] for lin in linears]
-        tiles = [lin.tiles(ops.pack_tiles) for lin in linears]
+        onednn = [weights.onednn(lin) for lin in linears]
+        tiles = [weights.tiles(lin, ops.pack_tiles) for lin in linears]
         for m in rows:
             xs = [torch.randn(m, lin.in_features, generator=g).to(torch.bfloat16) for lin in linears]
 

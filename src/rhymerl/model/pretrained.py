@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rhymerl.model.decoder import Decoder, onednn_bf16
+from rhymerl.model.decoder import Decoder
+from rhymerl.model.device import onednn_bf16
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.weights import load_decoder
 

@@ -8,17 +8,18 @@ The C++ files of `kernels/` (next to this file), one library, `torch.ops.rhymerl
   once into the tile layout (`pack_tiles`); elsewhere the matmuls are oneDNN's;
 - `tree_attention.cpp`: the attention of decode rows, draft trees and short chains (AVX-512 code in fp32
   and bf16; elsewhere portable vector code, fp32 only); in bf16 on CPUs with AMX its products run on tiles, over a cache of the slots' keys and values rearranged
-  for them (`KVCache.tiles`);
+  for them (`tile_cache.py`);
 - `sampler.cpp`: the sampler's plain case (temperature, no top-k or top-p), a one-pass version of
   `engine/sampler.py` (`sample_rows`).
 
-The engine uses them on a CPU when they build (`Decoder.forward_fused`, `sampler.sample`); the eager code
-in `decoder.py` and the torch code in `sampler.py` stay the reference, the training path and the fallback.
+The engine uses them on a CPU when they build (the CPU backend, `cpu.py`, and `sampler.sample`); the eager
+backend (`eager.py`, the model's own `forward_packed`) and the torch code in `sampler.py` stay the reference
+and the fallback.
 
 Building needs a C++ compiler and takes about 15 s, once; the library is cached under
 `$RHYMERL_CACHE/native/<hash of source, torch version, CPU and compiler flags>`. Where it cannot be built
 (no compiler, an unusual platform) `ops()` returns None after one warning that says why, and the engine
-runs the eager forward and the torch sampler. `RHYMERL_NATIVE=0` turns the kernels off.
+runs the eager backend and the torch sampler. `RHYMERL_NATIVE=0` turns the kernels off.
 """
 
 from __future__ import annotations
