@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from rhymerl.engine.backends import CpuBackend, EagerBackend, native
+from rhymerl.engine.backends.cpu_attention import TREE_STEP
+from rhymerl.engine.backends.eager import SMALL_STEP
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import SMALL_STEP, TREE_STEP, ModelRunner, SlotInput
-from rhymerl.model import native
+from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
@@ -25,6 +27,7 @@ def make_runner(forward_kind):
         cache = KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, torch.float32, "cpu", scratch)
         runner = ModelRunner(model, cache, fused=forward_kind == "fused")
         assert (runner.ops is not None) == (forward_kind == "fused")
+        assert isinstance(runner.backend, CpuBackend if forward_kind == "fused" else EagerBackend)
         return model, runner
     return make
 
@@ -84,7 +87,7 @@ def test_commit_keeps_the_chosen_path(make_runner, arch):
     runner.run([SlotInput(0, 0, prompt[:-1])])
     runner.run([SlotInput(0, base, tree, PARENTS)])
     path = [0, 2, 5]
-    runner.cache.commit(0, base, path)
+    runner.commit(0, base, path)
     accepted = prompt[:-1] + [tree[i] for i in path]
     nxt = 9  # continue decoding after the committed path: must equal a plain run of the same tokens
     logits = runner.run([SlotInput(0, len(accepted), [nxt])])

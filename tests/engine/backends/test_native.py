@@ -1,15 +1,20 @@
-"""The fused CPU kernels (rhymerl.model.native) against the eager decoder layer they replace.
+"""The fused CPU kernels (rhymerl.engine.backends.native) against the eager decoder layer they replace.
 
-test_model_runner.py runs every cached forward mode through both paths in fp32 against dense
+tests/engine/test_model_runner.py runs every cached forward mode through both paths in fp32 against dense
 recomputation; here each kernel is compared with the eager code piece by piece, in fp32 and bf16."""
+
+import re
+from contextlib import nullcontext
 
 import pytest
 import torch
 
+from rhymerl.engine.backends import CpuBackend, EagerBackend, native
+from rhymerl.engine.backends.cpu_attention import FusedAttention, OneCallAttention
+from rhymerl.engine.backends.cpu_weights import ONEDNN, PLAIN, TILES, model_weights, prepacked_linears
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import CachedAttention, ModelRunner, SlotInput
-from rhymerl.model import native
-from rhymerl.model.decoder import ONEDNN, PLAIN, TILES, apply_rope, rope_tables
+from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from rhymerl.model.decoder import apply_rope, rope_tables
 from tiny_models import random_prompts, tiny_decoder
 
 ops = native.ops()
@@ -26,18 +31,20 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_layer_kernels_match_the_eager_layer(arch, dtype):
     model = tiny_decoder(arch, dtype)
-    layout = ONEDNN if model.enable_packing() else PLAIN
-    with torch.inference_mode():
-        check_layer(model, layout, dtype, lambda lin: lin.inference_weight()[0])
+    weights = model_weights(model)
+    layout = ONEDNN if weights.packable() else PLAIN
+    with torch.inference_mode(), prepacked_linears(model) if layout == ONEDNN else nullcontext():
+        check_layer(model, layout, dtype, weights.onednn if layout == ONEDNN else lambda lin: lin.weight)
 
 
 @needs_tiles
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_layer_kernels_on_amx_tiles_match_the_eager_layer(arch):
     model = tiny_decoder(arch, torch.bfloat16)
-    assert model.tiles_fit()
+    weights = model_weights(model)
+    assert weights.tiles_fit()
     with torch.inference_mode():
-        check_layer(model, TILES, torch.bfloat16, lambda lin: lin.tiles(ops.pack_tiles))
+        check_layer(model, TILES, torch.bfloat16, lambda lin: weights.tiles(lin, ops.pack_tiles))
 
 
 def check_layer(model, layout, dtype, weight):
@@ -119,7 +126,8 @@ def test_a_failed_build_falls_back_with_the_compilers_error(monkeypatch, tmp_pat
     model = tiny_decoder("llama")
     c = model.cfg
     cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
-    assert ModelRunner(model, cache).ops is None  # the engine runs the eager forward
+    runner = ModelRunner(model, cache)
+    assert runner.ops is None and isinstance(runner.backend, EagerBackend)  # the engine runs the eager forward
 
 
 @needs_kernels
@@ -139,7 +147,7 @@ def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype, arch):
         [SlotInput(0, len(a) + 1, [3, 5, 6, 7], [-1, 0, 0, 1]), SlotInput(5, len(p) + 1, [2])],  # tree + decode
         [SlotInput(1, 4, [8, 9], prefix_from=5)],  # the first 4 positions copied from slot 5
     ]
-    original, used = CachedAttention.one_call_args, []
+    original, used = FusedAttention.one_call_args, []
 
     def spy(self):
         args = original(self)
@@ -150,11 +158,79 @@ def test_one_call_stack_equals_the_per_layer_calls(monkeypatch, dtype, arch):
     for one_call in (True, False):
         cache = KVCache(c.num_layers, 6, 48, c.num_kv_heads, c.head_dim, dtype, "cpu", 16)
         runner = ModelRunner(model, cache)
-        monkeypatch.setattr(CachedAttention, "one_call_args", spy if one_call else lambda self: None)
+        monkeypatch.setattr(FusedAttention, "one_call_args", spy if one_call else lambda self: None)
         logits[one_call] = [runner.run(step) for step in steps]
         monkeypatch.undo()
     assert used == [True] * len(steps)  # every step above is one group: forward_layers ran each time
     for got, want in zip(logits[True], logits[False]):
+        assert torch.equal(got, want)
+
+
+# forward_fused passes these positionally, then OneCallAttention by name.
+LEADING = ["x", "weights", "layout", "cos", "sin", "cache", "slot_of", "write_pos", "h", "kv", "eps"]
+
+
+def forward_layers_schema_in_source():
+    """forward_layers' schema as kernels/layer.cpp declares it (no compiler needed)."""
+    source = (native.KERNELS / "layer.cpp").read_text()
+    literals = re.search(r'm\.def\(\s*((?:"[^"]*"\s*)+),\s*&forward_layers\)', source).group(1)
+    return torch._C.parse_schema("".join(re.findall(r'"([^"]*)"', literals)))
+
+
+def test_one_call_attention_names_the_trailing_arguments_of_forward_layers():
+    """OneCallAttention's fields are forward_layers' trailing arguments, names and order: a reorder or a
+    rename on either side fails here, not as a wrong attention."""
+    names = [a.name for a in forward_layers_schema_in_source().arguments]
+    assert names == LEADING + list(OneCallAttention._fields)
+
+
+@needs_kernels
+def test_the_built_forward_layers_has_the_arguments_forward_fused_passes():
+    names = [a.name for a in ops.forward_layers.default._schema.arguments]
+    assert names == LEADING + list(OneCallAttention._fields)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_runner_takes_the_fused_backend_unless_told_otherwise(monkeypatch, dtype):
+    model = tiny_decoder("llama-d64", dtype)
+    c = model.cfg
+    cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, dtype, "cpu")
+    runner = ModelRunner(model, cache)
+    assert isinstance(runner.backend, CpuBackend) and runner.ops is ops
+    assert isinstance(ModelRunner(model, cache, fused=False).backend, EagerBackend)
+    monkeypatch.setenv("RHYMERL_NATIVE", "0")
+    runner = ModelRunner(model, cache)
+    assert isinstance(runner.backend, EagerBackend) and runner.ops is None
+
+
+@needs_kernels
+def test_runner_move_and_commit_keep_the_tile_cache_current():
+    """On AMX tiles the CPU backend keeps the tree attention's tile cache beside the KV cache: slots moved
+    and paths committed through the runner attend exactly as with the tile cache forgotten at every step.
+    (Elsewhere there is no tile cache and this checks the plain cache's moves and commits.)"""
+    model = tiny_decoder("llama-d64", torch.bfloat16)
+    c = model.cfg
+    a, b = random_prompts(2, seed=31, lo=40, hi=60)  # past a 32-position block
+    logits = {}
+    for forget in (False, True):
+        cache = KVCache(c.num_layers, 4, 96, c.num_kv_heads, c.head_dim, torch.bfloat16, "cpu", 16)
+        runner = ModelRunner(model, cache)
+        tiles = runner.backend.tile_cache
+
+        def run(inputs):
+            if forget and tiles is not None:
+                tiles.blocks.zero_()
+            return runner.run(inputs)
+
+        out = [run([SlotInput(0, 0, a[:-1]), SlotInput(1, 0, b[:-1])]),
+               run([SlotInput(0, len(a) - 1, a[-1:]), SlotInput(1, len(b) - 1, b[-1:])])]
+        runner.move(1, 3, len(b))  # slot 1's sequence goes on in slot 3
+        out.append(run([SlotInput(0, len(a), [3, 5, 6, 7], [-1, 0, 0, 1]), SlotInput(3, len(b), [9])]))
+        runner.commit(0, len(a), [0, 2])
+        out.append(run([SlotInput(0, len(a) + 2, [4]), SlotInput(3, len(b) + 1, [8])]))
+        logits[forget] = out
+    for got, want in zip(logits[False], logits[True]):
         assert torch.equal(got, want)
 
 
@@ -278,7 +354,7 @@ def test_fp16_on_a_cpu_runs_the_eager_forward():
     c = model.cfg
     cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, torch.float16, "cpu")
     runner = ModelRunner(model, cache)
-    assert runner.ops is None
+    assert runner.ops is None and isinstance(runner.backend, EagerBackend)
     prompt = random_prompts(1, seed=4)[0]
     logits = runner.run([SlotInput(0, 0, prompt)])
     with torch.no_grad():
@@ -326,14 +402,14 @@ def test_tile_linear_rejects_what_it_cannot_multiply():
 def test_tile_copies_follow_the_weight():
     """A weight sync or optimizer step changes the parameter in place: the next forward repacks its tiles."""
     model = tiny_decoder("llama", torch.bfloat16)
-    lin = model.layers[0].mlp.down_proj
+    lin, weights = model.layers[0].mlp.down_proj, model_weights(model)
     x = torch.randn(3, lin.in_features).to(torch.bfloat16)
     with torch.inference_mode():
-        before = ops.tile_linear(x, lin.tiles(ops.pack_tiles), None)
+        before = ops.tile_linear(x, weights.tiles(lin, ops.pack_tiles), None)
     with torch.no_grad():
         lin.weight.mul_(2)
     with torch.inference_mode():
-        after = ops.tile_linear(x, lin.tiles(ops.pack_tiles), None)
+        after = ops.tile_linear(x, weights.tiles(lin, ops.pack_tiles), None)
     assert torch.equal(after, (2 * before.float()).to(torch.bfloat16))  # x2 is exact in binary floating point
 
 
@@ -343,7 +419,9 @@ def test_the_engine_multiplies_on_tiles_in_bf16_only():
         model = tiny_decoder("llama-d64", dtype)
         c = model.cfg
         cache = KVCache(c.num_layers, 2, 32, c.num_kv_heads, c.head_dim, dtype, "cpu")
-        assert ModelRunner(model, cache).tiles == tiles
+        backend = ModelRunner(model, cache).backend
+        assert isinstance(backend, CpuBackend) and backend.tiles == tiles
+        assert backend.layout == (TILES if tiles else ONEDNN)
 
 
 @needs_tiles

@@ -3,22 +3,32 @@ where there is no GPU. The RL loop's own tests (test_training_loop.py) also run 
 one: `TrainingRun` takes it."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rhymerl.config import TrainSection
+from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.engine import Engine
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key, request_key
 from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
 from rhymerl.rl.trainer import PolicyTrainer
-from test_engine import reference_generate
-from test_histospec import FLAT, history_of, peaky
-from test_trainer import _samples
-from tiny_models import random_prompts, tiny_decoder
+
+# Helpers of the tests this file repeats on the GPU, from their folders (pytest puts a test file's folder on
+# sys.path only when it collects that file, which may be after this one).
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS / "histospec"), str(TESTS / "rl")]
+from test_engine import reference_generate  # noqa: E402
+from test_histospec import FLAT, history_of, peaky  # noqa: E402
+from test_trainer import _samples  # noqa: E402
+from tiny_models import random_prompts, tiny_decoder  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -69,6 +79,23 @@ def test_histospec_on_cuda_is_token_identical_to_plain(temperature):
     for a, b in zip(spec, plain):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
     assert spec_engine.speculator.stats.drafted > 0
+
+
+def test_a_cuda_model_runs_the_cuda_backend():
+    """select_backend gives a CUDA model the CUDA backend (the eager forward, synchronised) and no CPU kernels;
+    its logits are the eager CPU forward's."""
+    cpu = tiny_decoder("llama")
+    gpu = copy.deepcopy(cpu).to("cuda")
+    c = cpu.cfg
+    prompt = random_prompts(1, seed=2)[0]
+    logits = {}
+    for name, model in (("cpu", cpu), ("cuda", gpu)):
+        cache = KVCache(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim, torch.float32, name)
+        runner = ModelRunner(model, cache, fused=False)
+        logits[name] = runner.run([SlotInput(1, 0, prompt)]).cpu()
+    runner = ModelRunner(gpu, KVCache(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim, torch.float32, "cuda"))
+    assert isinstance(runner.backend, CudaBackend) and runner.ops is None
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=1e-4, rtol=1e-4)
 
 
 def test_measured_cost_model_on_cuda_is_positive_and_grows_with_tokens():
