@@ -1,11 +1,11 @@
-"""HistoryStore: last K rollouts with rewards, budgets, LRU eviction, persistence, cached index."""
+"""HistoryStore: last K rollouts with rewards, budgets, LRU eviction, persistence, versions and slices."""
 
 import json
 import random
 
 import pytest
 
-from rhymerl.spec import HistoryStore, Rollout, prompt_key
+from rhymerl.history import HistoryStore, Rollout, prompt_key
 
 
 def test_prompt_key_is_stable_and_distinguishes_prompts():
@@ -48,7 +48,7 @@ def test_lru_eviction_of_whole_prompts():
     store.record_rollout(c, [[0] * 4])  # 34: evict the least recently used (b)
     assert a in store and b not in store and c in store
     assert store.size()["tokens"] == 24
-    store.index(a)                      # index() counts as a use too
+    store.version(a)                    # version() counts as a use too
     store.record_rollout(b, [[0] * 5])  # 34 -> evict c
     assert a in store and b in store and c not in store
     assert store.size()["tokens"] <= 30
@@ -125,36 +125,32 @@ def test_load_applies_this_stores_budgets():
     assert small.responses([1, 2]) == [[2] * 3, [3] * 3]
 
 
-def test_index_is_cached_and_rebuilt_when_history_changes():
-    store = HistoryStore(index_prompt_tokens=2)
-    prompt = [10, 11, 12]
-    assert store.index(prompt) is None
-    store.record_rollout(prompt, [[1, 2, 3], [1, 2, 4]], [1.0, 0.0])
-    index = store.index(prompt)
-    assert store.index(prompt) is index
-    assert index.num_sequences == 2
-    assert index.sequence(0) == [11, 12, 1, 2, 3]  # the prompt's tail in front of each response
-    n, state = index.longest_match([11, 12])
-    assert n == 2 and index.continuations(state) == {1: (2, 1.0)}
-    n, state = index.longest_match([1, 2])
-    assert index.continuations(state) == {3: (1, 1.0), 4: (1, 0.0)}
-    store.record_rollout(prompt, [[1, 2, 5]], [None])  # unknown reward: weight 1.0
-    rebuilt = store.index(prompt)
-    assert rebuilt is not index and rebuilt.num_sequences == 3
-    n, state = rebuilt.longest_match([1, 2])
-    assert rebuilt.continuations(state)[5] == (1, 1.0)
-    rebuilt.check_integrity()
+def test_a_replica_follows_the_store_through_export_and_merge():
+    """A worker's replica gets the slice its prompts need; a prompt whose version did not move is left alone."""
+    truth, replica = HistoryStore(), HistoryStore()
+    a, b = [1, 2, 3], [4, 5, 6]
+    truth.record_rollout(a, [[7, 8]], [1.0])
+    slice_ = json.loads(json.dumps(truth.export([a, b, a])))  # plain data; b has no history yet
+    assert [item["prompt"] for item in slice_["prompts"]] == [a]
+    assert replica.merge(slice_) == 1
+    assert replica.rollouts(a) == truth.rollouts(a) and b not in replica
+    assert replica.version(a) == truth.version(a)
+    assert replica.merge(truth.export([a])) == 0  # unchanged
+    truth.record_rollout(a, [[9]], [0.0])
+    truth.record_rollout(b, [[1]], [None])
+    assert replica.merge(truth.export([a, b])) == 2
+    assert replica.rollouts(a) == truth.rollouts(a) and replica.rollouts(b) == truth.rollouts(b)
+    with pytest.raises(ValueError, match="not a history store state"):
+        replica.merge({"prompts": []})
 
 
-def test_index_cache_is_bounded():
-    store = HistoryStore(max_index_tokens=5, index_prompt_tokens=0)
-    for i in range(4):
-        store.record_rollout([i], [[1, 2]])  # 2-token indexes: two fit
-    first = store.index([0])
-    store.index([1])
-    store.index([2])
-    assert store.index([0]) is not first  # evicted from the cache, rebuilt
-    assert len(store._indexes) == 2
-    store.record_rollout([9], [[1] * 10])
-    big = store.index([9])
-    assert store.index([9]) is big and len(store._indexes) == 1  # over the budget alone: still cached
+def test_versions_survive_a_checkpoint():
+    """A resumed store keeps the versions its replicas were sent, and its clock goes on from there."""
+    store = HistoryStore()
+    store.record_rollout([1], [[2]])
+    store.record_rollout([3], [[4]])
+    resumed = HistoryStore()
+    resumed.load_state_dict(json.loads(json.dumps(store.state_dict())))
+    assert resumed.version([1]) == store.version([1]) and resumed.version([3]) == store.version([3])
+    resumed.record_rollout([1], [[5]])
+    assert resumed.version([1]) > max(store.version([1]), store.version([3]))

@@ -12,7 +12,8 @@ from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, spec_bench
 from rhymerl.config import DRAFT_RULES, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.model.pretrained import chat_prompt_ids, load_pretrained
+from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained
+from rhymerl.process import setup_process
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.tasks.prompt_file import read_prompt_file
 
@@ -21,7 +22,14 @@ def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return tokenizer.encode(prompt) if isinstance(prompt, str) and not chat else chat_prompt_ids(tokenizer, prompt)
 
 
+def setup(args) -> None:
+    """This process's settings (`setup_process`), for the commands that run an engine; `train` makes them
+    in its TrainingRun, with the run's seed."""
+    setup_process(device=getattr(args, "device", None) or default_device())
+
+
 def cmd_generate(args) -> int:
+    setup(args)
     prompts = list(args.prompts) + ([row.prompt for row in read_prompt_file(Path(args.file))] if args.file else [])
     if not prompts:
         raise SystemExit("rhymerl generate: no prompts (give them as arguments or with --file FILE.jsonl)")
@@ -82,6 +90,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
+    setup(args)
     summary = engine_bench.run(args.model, args.dtype, [int(b) for b in args.batches.split(",")], args.num_prompts,
                                args.max_tokens, args.temperature, args.top_p, args.seed, args.skip_hf, args.device)
     engine_bench.print_table(summary)
@@ -90,6 +99,7 @@ def cmd_bench_engine(args) -> int:
 
 
 def cmd_bench_spec(args) -> int:
+    setup(args)
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from rhymerl.atomic_file import atomic_write
 
 try:
     import wandb
@@ -193,17 +194,8 @@ def _prepare_metrics_file(path: Path, resume_step: int | None) -> None:
         rows = [row for row in rows if row.get("step", resume_step) <= resume_step]
     text = "".join(json.dumps(row) + "\n" for row in rows)
     # Atomic: a crash while trimming leaves either the old file or the new one, never a half-written mix.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def _plain(key: str, value: Any) -> float | int | str:

@@ -34,7 +34,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
-from rhymerl.spec.history import HistoryStore
+from rhymerl.history import HistoryStore
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 from rhymerl.tasks.prompt_file import read_prompt_file
 

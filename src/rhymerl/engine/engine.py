@@ -1,11 +1,12 @@
 """The rollout engine: continuous batching over a preallocated KV cache.
 
-`step()` reads as schedule -> draft -> run -> verify and commit: admit waiting requests into free slots;
-with HistoSpec on, let the speculator propose a draft tree per decoding sequence (possibly none); run one
-forward over every running slot's new tokens and drafts; walk each draft with the policy's keyed draws
-(plain decoding is the walk over an empty draft: one token); append the accepted tokens and the bonus
-token, keep the accepted path's keys/values, and retire the sequences that hit EOS, a stop string or their
-length limit (their slots are refilled next step, or the survivors are compacted when nothing waits).
+`step()` reads as schedule -> draft -> run -> verify -> commit: admit waiting requests into free slots;
+with HistoSpec on, let it propose a draft tree per decoding sequence (possibly none); run one forward over
+every running slot's new tokens and drafts; walk each draft with the policy's keyed draws
+(`rhymerl.histospec.verify`; plain decoding is the walk over an empty draft: one token); append the
+accepted tokens and the bonus token, keep the accepted path's keys/values, retire the sequences that hit
+EOS, a stop string or their length limit (their slots are refilled next step, or the survivors are
+compacted when nothing waits), and hand HistoSpec what was verified.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from rhymerl.engine.allocator import keep_freed_memory
+from rhymerl import cost_model
+from rhymerl.cost_model import CostModel
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.sequence import RequestOutput, Sequence
-from rhymerl.engine.speculator import CostModel, Speculator, verify
+from rhymerl.histospec.drafter import Draft
+from rhymerl.histospec.speculator import Speculator
+from rhymerl.histospec.verify import Verified, verify
+from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.model.decoder import Decoder
-from rhymerl.spec.drafter import Draft
-from rhymerl.spec.history import HistoryStore, prompt_key
 
 SPECULATIVE_MODES = ("off", "histospec")
 # Shorter shared prefixes (a BOS, a role tag) are recomputed rather than copied in every layer.
@@ -85,8 +88,6 @@ class Engine:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
         param = next(model.parameters())
-        if param.device.type == "cpu":
-            keep_freed_memory()  # sampling temporaries are MBs: stop paying page faults for each
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         scratch = max_draft_tokens if speculative != "off" else 0
@@ -110,33 +111,20 @@ class Engine:
                                          correct_cost=cost.measured)
 
     def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
-        """Time real verification forwards on free slots: n sequences (with a `context`-token prefix)
-        each feeding t tokens as a chain, over a grid of n and t. Run at start-up, before any request
-        holds a slot; a couple of seconds for a 135M model on a CPU."""
+        """Time real verification forwards on free slots (`rhymerl.cost_model.measure`): n sequences, each with
+        a `context`-token prefix, feeding t tokens as a chain. Run at start-up, before any request holds a
+        slot; a couple of seconds for a 135M model on a CPU."""
         slots = self.scheduler.num_slots
         context = min(context, self.max_model_len - 1)  # attention cost grows with it: a typical rollout's
         self.runner.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
-        seqs_grid = sorted({n for n in (1, 4, 16) if n < slots} | {slots})
-        per_seq_grid = sorted({t for t in (1, 2, 4, 8, 16) if t <= max_draft_tokens} | {max_draft_tokens + 1})
-        times = []
-        for n in seqs_grid:
-            row = []
-            for t in per_seq_grid:
-                if n * t > 512 and len(row) >= 2:  # big enough to extrapolate linearly from here
-                    break
-                inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
-                best = float("inf")
-                for _ in range(2):  # the minimum: noise only ever adds time
-                    t0 = time.perf_counter()
-                    self.runner.run(inputs)
-                    best = min(best, time.perf_counter() - t0)
-                row.append(best)
-            while len(row) < len(per_seq_grid):  # extrapolate the skipped (largest) points
-                j = len(row)
-                slope = (row[-1] - row[-2]) / (per_seq_grid[j - 1] - per_seq_grid[j - 2])
-                row.append(row[-1] + slope * (per_seq_grid[j] - per_seq_grid[j - 1]))
-            times.append(row)
-        return CostModel(seqs_grid, per_seq_grid, times, measured=True)
+
+        def time_forward(n: int, t: int) -> float:
+            inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
+            t0 = time.perf_counter()
+            self.runner.run(inputs)
+            return time.perf_counter() - t0
+
+        return cost_model.measure(time_forward, slots, max_draft_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,
@@ -166,7 +154,7 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        """schedule -> draft -> run -> verify and commit."""
+        """schedule -> draft -> run -> verify -> commit."""
         t0 = time.perf_counter()
         seqs = self.scheduler.schedule()
         if not seqs:
@@ -192,15 +180,14 @@ class Engine:
         self.stats.forward_passes += 1
         for seq in seqs:
             seq.forwards += 1
-        walks = self._walk(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
-        events = [self._commit(seq, draft, *walk) for seq, draft, walk in zip(seqs, drafts, walks)]
+        verified = self._verify(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
+        events = [self._commit(seq, v) for seq, v in zip(seqs, verified)]
         for seq, old_slot in self.scheduler.compact():
-            self.cache.move(old_slot, seq.slot, seq.num_cached)
-        if self.speculator is not None and not self.has_unfinished():
-            self.speculator.clear_groups()  # sibling indexes live as long as the batch
-        elapsed = time.perf_counter() - t0
+            self.runner.move(old_slot, seq.slot, seq.num_cached)
         if self.speculator is not None:
-            self.speculator.observe_step(elapsed)
+            self.speculator.commit(seqs, drafts, verified, [ev.new_token_ids for ev in events], started=t0,
+                                   batch_done=not self.has_unfinished())
+        elapsed = time.perf_counter() - t0
         self.stats.busy_s += elapsed
         self.stats.seq_steps += len(seqs)
         return events
@@ -234,63 +221,34 @@ class Engine:
         return sources
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
-        empty = Draft()
         if self.speculator is None:
-            return [empty] * len(seqs)
-        for seq in seqs:
-            if seq.spec is None:
-                seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
+            return [Draft()] * len(seqs)
         # Only decoding sequences draft, and no deeper than they may still grow: a response's last tokens
         # before max_tokens or the context's end draft too (they are a long response's, often a loop's, and
         # decoding them one per step took a sizeable share of a T=0.3 tail), but no draft reaches past that end.
-        rooms = [self._draft_room(s) for s in seqs]
-        decoding = [i for i, s in enumerate(seqs) if s.num_cached >= len(s.prompt_ids) and rooms[i] > 0]
-        drafts = [empty] * len(seqs)
-        if not decoding or self.speculator.drafting_paused(len(seqs)):
-            return drafts
-        window = self.speculator.drafter.max_window  # the recent tokens the drafter matches
-        contexts = [_tail(seqs[i], window) for i in decoding]
-        specs = [seqs[i].spec for i in decoding]
-        proposed = self.speculator.propose(contexts, specs, base_tokens, len(seqs),
-                                           draining=not self.scheduler.waiting,
-                                           max_depths=[rooms[i] for i in decoding])
-        for i, d in zip(decoding, proposed):
-            drafts[i] = d
-        return drafts
+        rooms = [self._draft_room(s) if s.num_cached >= len(s.prompt_ids) else 0 for s in seqs]
+        return self.speculator.propose(seqs, rooms, base_tokens, draining=not self.scheduler.waiting)
 
     def _draft_room(self, seq: Sequence) -> int:
         """How deep a draft of `seq` may be: the tokens it may still append (before max_tokens and the end of
         the context), less the bonus token every step appends. The tree's nodes always fit in the cache:
         its scratch holds max_draft_tokens positions past the context."""
         left = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
-        return min(left - 1, self.speculator.max_draft_tokens)
+        return max(min(left - 1, self.speculator.max_draft_tokens), 0)
 
-    def _walk(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor, rows_per_seq: list[int]):
-        """Run every sequence's `verify` walk, one tree level at a time, drawing only at the nodes the
-        walks reach (a plain sequence is a walk over an empty draft: one draw). Returns per sequence
-        (accepted path, tokens, their log-probs)."""
-        if not any(d.tokens for d in drafts):  # a plain step: one draw per sequence, nothing to walk
-            tokens, logprobs = self._draw(seqs, list(range(len(seqs))), [0] * len(seqs), logits)
-            return [([], [t], [lp]) for t, lp in zip(tokens, logprobs)]
-        starts = [sum(rows_per_seq[:i]) for i in range(len(seqs))]
-        walks = [verify(d) for d in drafts]
-        at = {i: next(w) for i, w in enumerate(walks)}  # sequence -> node it needs a draw at
-        drawn = [([], []) for _ in seqs]
-        results = [None] * len(seqs)
-        while at:
-            live = list(at)
-            tokens, logprobs = self._draw([seqs[i] for i in live], [starts[i] + at[i] + 1 for i in live],
-                                          [len(drawn[i][0]) for i in live], logits)
-            for i, tok, lp in zip(live, tokens, logprobs):
-                drawn[i][0].append(tok)
-                drawn[i][1].append(lp)
-                try:
-                    at[i] = walks[i].send(tok)
-                except StopIteration as done:
-                    path, out = done.value
-                    results[i] = (path, out, drawn[i][1])
-                    del at[i]
-        return results
+    def _verify(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
+                rows_per_seq: list[int]) -> list[Verified]:
+        """Every sequence's draft walked with the policy's keyed draws (`histospec.verify`), drawing only at
+        the nodes the walks reach: sequence i's node j has logits row starts[i] + j + 1 (node -1, its last
+        real token, the first of its rows)."""
+        starts = [0] * len(seqs)
+        for i in range(1, len(seqs)):
+            starts[i] = starts[i - 1] + rows_per_seq[i - 1]
+
+        def draw(live: list[int], nodes: list[int], depths: list[int]):
+            return self._draw([seqs[i] for i in live], [starts[i] + n + 1 for i, n in zip(live, nodes)], depths, logits)
+
+        return verify(drafts, draw)
 
     def _draw(self, seqs: list[Sequence], rows: list[int], offsets: list[int], logits: torch.Tensor):
         """Sample one token at each logits row; the draw for output token j of a request depends on
@@ -307,17 +265,17 @@ class Engine:
                 tokens[k], logprobs[k] = t, lp
         return tokens, logprobs
 
-    def _commit(self, seq: Sequence, draft: Draft, path: list[int], out: list[int], out_logprobs: list[float]) -> StepEvent:
+    def _commit(self, seq: Sequence, verified: Verified) -> StepEvent:
         """Append the accepted tokens and the bonus token (stopping at EOS, a stop string or the length
         limit) and keep the accepted path's keys/values."""
-        base = seq.num_cached
+        base, path = seq.num_cached, verified.path
         if path:
-            self.cache.commit(seq.slot, base, [0] + [j + 1 for j in path])
+            self.runner.commit(seq.slot, base, [0] + [j + 1 for j in path])
         seq.num_cached = seq.num_tokens + len(path)  # fed tokens + accepted drafts; the bonus is not cached
         if not seq.output_ids:
             seq.first_token = time.perf_counter()
         reason, appended = None, []
-        for tok, lp in zip(out, out_logprobs):
+        for tok, lp in zip(verified.tokens, verified.logprobs):
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
             appended.append(tok)
@@ -325,9 +283,6 @@ class Engine:
             if reason is not None:
                 break
         self.stats.generated_tokens += len(appended)
-        if self.speculator is not None and seq.spec is not None:
-            self.speculator.record(seq.spec, draft, path)
-            self.speculator.observe(seq.spec, appended)
         if reason is None:
             return StepEvent(seq.request_id, appended, None)
         seq.finish_reason = reason
@@ -396,8 +351,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             return i
     return n
 
-
-def _tail(seq: Sequence, n: int) -> list[int]:
-    """The last n tokens of prompt + output, without copying the whole sequence."""
-    out = seq.output_ids[-n:]
-    return out if len(out) == n else seq.prompt_ids[-(n - len(out)):] + out

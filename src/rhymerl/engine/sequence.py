@@ -30,7 +30,7 @@ class RequestOutput:
     first_token_s: float = 0.0  # arrival -> first token
     total_s: float = 0.0  # arrival -> finished
     forwards: int = 0  # forward passes it took part in (prefill included)
-    spec: object = None  # HistoSpec's work on it (rhymerl.engine.speculator.SpecStats); None when off
+    spec: object = None  # HistoSpec's work on it (rhymerl.histospec.speculator.SpecStats); None when off
 
     @property
     def tokens_per_forward(self) -> float:
@@ -55,7 +55,7 @@ class Sequence:
     first_token: float = 0.0
     forwards: int = 0  # forward passes it took part in
     group: object = None  # siblings share a group (HistoSpec drafts from each other)
-    spec: object = None  # the speculator's per-sequence state (rhymerl.engine.speculator.SeqSpec)
+    spec: object = None  # the speculator's per-sequence state (rhymerl.histospec.speculator.SeqSpec)
 
     def __post_init__(self):
         self.key = request_key(self.request_id)

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rhymerl.atomic_file import atomic_write
+
 LATEST = "latest"
 _HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -53,15 +55,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _write_atomic(path: Path, data: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Tensor], model_dir: Path,
                     trainer_state: dict, history_state: dict | None, state: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it and delete all but the newest `keep`."""
@@ -70,6 +63,22 @@ def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Ten
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from a crash while writing
     tmp.mkdir(parents=True)
+    try:
+        _write_files(tmp, step, hf_weights, model_dir, trainer_state, history_state, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    with atomic_write(final.parent / LATEST) as f:
+        f.write(final.name)
+    _prune(final.parent, keep)
+    return final
+
+
+def _write_files(tmp: Path, step: int, hf_weights: dict[str, torch.Tensor], model_dir: Path, trainer_state: dict,
+                 history_state: dict | None, state: dict) -> None:
     save_file({k: v.detach().float().contiguous() for k, v in hf_weights.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     for name in _HF_FILES:  # config and tokenizer of the base model, so transformers can load the directory
@@ -80,12 +89,6 @@ def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Ten
     if history_state is not None:
         (tmp / "history.json").write_text(json.dumps(history_state))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _write_atomic(final.parent / LATEST, final.name)
-    _prune(final.parent, keep)
-    return final
 
 
 def _force_fp32_config(path: Path) -> None:

@@ -1,5 +1,7 @@
-"""The RL loop (DESIGN 1-2): for each step, prompts -> rollout (HistoSpec) -> rewards -> advantages -> update
--> weight sync -> history store update; validation every `val.every` steps; checkpoints every `run.save_every`.
+"""The RL loop (DESIGN 1-2): for each step, prompts -> rollout (a `rhymerl.rollout` pool) -> rewards ->
+advantages -> update -> weight sync -> history record; validation every `val.every` steps; checkpoints every
+`run.save_every`. The loop owns the history store (the truth, checkpointed) and talks to rollout workers
+only through the pool: it never touches an engine.
 
 The run is a pure function of its config and seed: the prompts of step t come from a permutation keyed by
 (seed, epoch), and every sampled token from keyed randomness (seed, request id, position) with request ids
@@ -9,12 +11,9 @@ uninterrupted run would have done, and HistoSpec on or off gives the same rollou
 
 from __future__ import annotations
 
-import copy
-import os
 import random
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,21 +24,19 @@ from transformers import AutoTokenizer
 
 from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.data.dataset import Example, builtin_examples, read_dataset
-from rhymerl.engine.allocator import release_freed_memory
-from rhymerl.engine.engine import Engine, EngineStats
-from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import CostModel, SpecStats
+from rhymerl.cost_model import CostModel
+from rhymerl.history import HistoryStore
 from rhymerl.metrics import MetricsLogger, read_metrics
-from rhymerl.model.decoder import Decoder
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.model.pretrained import chat_prompt_ids, parse_dtype, resolve_dtype
+from rhymerl.model.pretrained import chat_prompt_ids, resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, set_rng_state
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
+from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
-from rhymerl.spec.history import HistoryStore
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
 
 
 @dataclass
@@ -73,41 +70,6 @@ def encode_prompts(tokenizer, examples: list[Example], max_len: int, what: str) 
     return kept, skipped
 
 
-def sync_weights(params: dict[str, torch.Tensor], dst: Decoder) -> None:
-    """Copy the trainer's weights (Decoder names, LoRA merged) into the rollout engine's model, casting to its
-    dtype. The engine's prepacked copies notice the new weight versions and repack on their next use."""
-    with torch.no_grad():
-        for name, p in dst.named_parameters():
-            p.copy_(params[name])
-
-
-def make_cuda_deterministic() -> None:
-    """Same seed, same run on a GPU: a resumed run repeats the uninterrupted one and HistoSpec on or off
-    learns the same thing (tests/test_training_loop.py). Some CUDA kernels add with atomics in whatever
-    order the threads arrive, e.g. the backward of the gather that lets GRPO siblings share their prompt's
-    rows; torch has order-fixed versions of them. cuBLAS needs a fixed workspace. For the whole run (as
-    verified on an H100), where a CPU needs them only in the update (`deterministic_algorithms`)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns instead of failing
-
-
-@contextmanager
-def deterministic_algorithms():
-    """torch's deterministic algorithms for the update (on a GPU they are on for the whole run: see
-    make_cuda_deterministic). On a CPU without them, the default job resumed twice from the same checkpoint
-    in two processes computed different gradients five steps later (grad norm 0.49011 against 0.48996; the
-    loss was the same to the last bit), so runs drifted apart; with them three such resumes agreed bit
-    for bit. Which kernel differs was not found. Only around the update: on for the whole run they also
-    slowed rollout (every empty tensor is filled first), whose rewards were identical in every resume
-    without them."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
     """What the rollout and the update compute in, {"rollout": ..., "train": ...}: a dtype the config names
     as it is; "auto" as the run resolved it when it started (`saved`, from its checkpoint), else as
@@ -131,20 +93,17 @@ class TrainingRun:
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None):
         self.cfg = cfg
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        setup_process(cfg.run.seed, device)
         self.run_dir = Path(resume_dir or cfg.run.output_dir or
                             Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
         self.start_step = 0
 
-        # ---- model: fp32 master weights for the trainer, a copy in the rollout dtype for the engine ----
+        # ---- model: fp32 master weights for the trainer (each rollout worker keeps a copy in its dtype) ----
         self.model_dir = resolve_model_dir(cfg.model.name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            make_cuda_deterministic()
         lora = cfg.model.lora_r > 0
         # With LoRA the checkpoint's merged weights cannot be split back into base + adapter, so a LoRA run
         # restarts from the base model and reloads its adapter (and base) from trainer.pt below.
@@ -156,20 +115,20 @@ class TrainingRun:
         print(f"[model] {self.model_dir.name} on {device}: rollout in {self.dtypes['rollout']}, update in "
               f"{self.dtypes['train']} (rollout.dtype={cfg.rollout.dtype}, train.dtype={cfg.train.dtype})",
               file=sys.stderr)
-        self.rollout_model = copy.deepcopy(self.model).to(parse_dtype(self.dtypes["rollout"])).eval().requires_grad_(False)
+        # ---- rollout: a pool of workers, each with its own copy of the policy in the rollout dtype ----
+        self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)  # the truth, checkpointed
+        max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
+        worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
+                              speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
+                              draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts)
+        self.pool = LocalPool(RolloutWorker(self.model, self.tokenizer, worker, cost_model=cost_model), self.history)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
         # ---- data ----
         self.train_prompts, self.val_prompts, self.data_notes = self._load_data()
 
-        # ---- history, engine, trainer, rewards ----
-        self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)
-        max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
-        self.engine = Engine(self.rollout_model, self.tokenizer, num_slots=cfg.rollout.num_slots, max_model_len=max_len,
-                             speculative=cfg.rollout.speculative, history=self.history,
-                             max_draft_tokens=cfg.rollout.max_draft_tokens, draft_rule=cfg.rollout.draft_rule,
-                             cost_model=cost_model)
+        # ---- trainer, rewards ----
         self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
                                      self.ref_model, dtype=self.dtypes["train"])
         fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
@@ -180,13 +139,13 @@ class TrainingRun:
             state, trainer_state, history_state = load_checkpoint(ckpt)
             if lora:
                 self.model.load_state_dict(trainer_state["lora_model"])
-                sync_weights(merged_parameters(self.model), self.rollout_model)
             self.trainer.load_state_dict(trainer_state)
             set_rng_state(trainer_state["rng"])
             if history_state is not None:
                 self.history.load_state_dict(history_state)
             self.start_step = state["step"]
             self.reward_errors = state.get("reward_errors", 0)
+            self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                     config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
@@ -227,26 +186,25 @@ class TrainingRun:
         return train_p, val_p, notes
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str):
-        self.engine.stats = EngineStats()
-        if self.engine.speculator is not None:
-            self.engine.speculator.stats = SpecStats()
-        ids = [f"{tag}-p{i}-g{g}" for i in range(len(prompts)) for g in range(n)]
-        outs = self.engine.generate([p.ids for p in prompts for _ in range(n)], params, request_ids=ids)
-        bad = [o for o in outs if o.finish_reason == "error"]
+    def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str) -> RolloutResult:
+        """n responses per prompt; request ids (the keys of the random draws) are tag, prompt and generation."""
+        groups = [RolloutGroup(p.ids, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
+        result = self.pool.rollout(groups, params)
+        bad = [o for o in result.outputs if o.finish_reason == "error"]
         if bad:
             raise RuntimeError(f"rollout request {bad[0].request_id} was rejected: {bad[0].error}")
-        return outs
+        return result
 
-    def _rollout_metrics(self, prefix: str) -> dict:
-        s = self.engine.stats
+    @staticmethod
+    def _rollout_metrics(prefix: str, result: RolloutResult) -> dict:
+        s = result.engine_totals()
         m = {f"{prefix}/tokens_per_s": s.generated_tokens / max(s.busy_s, 1e-9),
              f"{prefix}/tokens_per_forward": s.tokens_per_seq_forward,
              f"{prefix}/forward_passes": s.forward_passes,
              # prompt tokens computed, and those copied from a sequence holding the same prefix
              f"{prefix}/prefill_tokens": s.prompt_tokens, f"{prefix}/prefill_shared_tokens": s.shared_prompt_tokens}
-        if self.engine.speculator is not None:
-            sp = self.engine.speculator.stats
+        sp = result.spec_totals()
+        if sp is not None:
             m |= {f"{prefix}/spec_accept_rate": sp.accept_rate, f"{prefix}/spec_drafted": sp.drafted,
                   f"{prefix}/spec_accepted": sp.accepted, f"{prefix}/spec_mean_accepted_len": sp.mean_accepted_len,
                   f"{prefix}/draft_time_share": sp.draft_s / max(s.busy_s, 1e-9)}
@@ -262,7 +220,8 @@ class TrainingRun:
         G = r.num_generations
         params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                 max_tokens=r.max_completion_length, seed=cfg.run.seed)
-        outs = self._rollout(prompts, G, params, f"train-s{step}")
+        result = self._rollout(prompts, G, params, f"train-s{step}")
+        outs = result.outputs
         t1 = time.perf_counter()
         examples = [p.example for p in prompts for _ in range(G)]
         scored = self.scorer.score([o.text for o in outs], examples)
@@ -273,15 +232,15 @@ class TrainingRun:
         adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
         for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
             group = outs[i * G : (i + 1) * G]
-            self.history.record_rollout(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
+            self.pool.record(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
         t2 = time.perf_counter()
-        samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a)
+        samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a, temperature=params.temperature)
                    for k, (o, a) in enumerate(zip(outs, adv.tolist()))]
         with deterministic_algorithms():
             metrics = self.trainer.update(samples)
         release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
         t3 = time.perf_counter()
-        sync_weights(merged_parameters(self.model), self.rollout_model)
+        self.pool.load_weights(merged_parameters(self.model), version=step + 1)
         t4 = time.perf_counter()
 
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
@@ -302,7 +261,7 @@ class TrainingRun:
             "timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "timing_s/update": t3 - t2,
             "timing_s/sync": t4 - t3,
         }
-        metrics |= self._rollout_metrics("rollout")
+        metrics |= self._rollout_metrics("rollout", result)
         return metrics
 
     def validate(self, step: int) -> dict:
@@ -312,14 +271,15 @@ class TrainingRun:
         t0 = time.perf_counter()
         v = self.cfg.val
         params = SamplingParams(temperature=v.temperature, max_tokens=v.max_completion_length, seed=self.cfg.run.seed)
-        outs = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
+        result = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
+        outs = result.outputs
         scored = self.scorer.score([o.text for o in outs], [p.example for p in self.val_prompts])
         for p, o, rew in zip(self.val_prompts, outs, scored.rewards):
-            self.history.record_rollout(p.ids, [o.token_ids], [rew])
+            self.pool.record(p.ids, [o.token_ids], [rew])
         m = {"val/accuracy": sum(scored.correct) / len(outs), "val/reward/mean": sum(scored.rewards) / len(outs),
              "val/response_length/mean": sum(len(o.token_ids) for o in outs) / len(outs),
              "val/reward_errors": scored.errors}
-        m |= self._rollout_metrics("val")
+        m |= self._rollout_metrics("val", result)
         m["timing_s/val"] = time.perf_counter() - t0
         return m
 

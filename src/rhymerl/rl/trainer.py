@@ -38,6 +38,13 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]  # the rollout's log-prob of each completion token (behaviour policy)
     advantage: float
+    temperature: float | None = None  # what it was sampled at (None: the trainer's); its log-probs are at this
+
+
+def logprob_temperature(sampled_at: float) -> float:
+    """The temperature log-probs are taken at for a sample drawn at `sampled_at`: itself, and 1 for greedy
+    (0), as the engine reports them."""
+    return sampled_at if sampled_at > 0 else 1.0
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
@@ -187,7 +194,7 @@ class PolicyTrainer:
             raise ValueError("train.beta > 0 needs a reference model")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
         # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.temperature = logprob_temperature(temperature)
         self.max_completion_length = max_completion_length
         device = next(model.parameters()).device
         self.autocast = torch.bfloat16 if (dtype or resolve_dtype(cfg.dtype, device)) == "bf16" else None
@@ -218,6 +225,10 @@ class PolicyTrainer:
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step (per iteration) on a rollout batch; returns verl-style `actor/...` metrics."""
         cfg = self.cfg
+        sampled_at = {s.temperature for s in samples if s.temperature is not None}
+        if sampled_at and {logprob_temperature(t) for t in sampled_at} != {self.temperature}:
+            raise ValueError(f"samples drawn at temperature {sorted(sampled_at)}, but this trainer takes log-probs "
+                             f"at {self.temperature}: the importance ratio needs both at the same temperature")
         total_tokens = sum(len(s.completion_ids) for s in samples)
         total_seqs = len(samples)
         # A zero advantage gives a zero policy-gradient term whatever the ratio: without a KL term such

@@ -3,10 +3,13 @@
 For each prompt (keyed by a hash of its token ids) the store keeps the prompt and the responses of
 its last `max_rollouts` rollouts with their rewards. Memory is bounded by a per-prompt and a total
 token budget (prompt tokens included); whole prompts are evicted least-recently-used first. The
-store is plain data (JSON) so it can be saved with every checkpoint.
+store is plain data (JSON) so it can be saved with every checkpoint and shipped to a rollout worker in
+another process: every prompt carries a version that changes whenever its history does, `export(prompts)`
+gives the slice a worker needs and `merge(slice)` brings a worker's replica up to date, touching only the
+prompts whose version moved. The truth is the training loop's store; workers hold replicas.
 
-`index(prompt)` gives a SuffixIndex over the prompt's stored responses, built lazily and cached
-(a bounded LRU cache) until the prompt's history changes.
+Torch-free and index-free: HistoSpec's suffix indexes over these responses are built and cached by
+`rhymerl.histospec.history_index.HistoryIndex`.
 """
 
 from __future__ import annotations
@@ -15,13 +18,12 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from rhymerl.spec.suffix_index import SuffixIndex
+from rhymerl.atomic_file import atomic_write
 
 _FORMAT = "rhymerl.history/1"
 
@@ -49,6 +51,7 @@ class _Entry:
     prompt: array
     rollouts: list[tuple[list[array], list[float | None]]] = field(default_factory=list)
     tokens: int = 0  # prompt + all stored responses
+    version: int = 0  # the store's clock when this prompt's history last changed
 
 
 class HistoryStore:
@@ -59,33 +62,21 @@ class HistoryStore:
         max_tokens_per_prompt: budget for one prompt (its prompt tokens plus stored responses);
             over it, the oldest rollouts go first, then the newest rollout's last responses.
         max_total_tokens: budget for the whole store; over it, least-recently-used prompts are
-            evicted whole. `record_rollout`, `responses`, `rollouts` and `index` count as uses.
-        max_index_tokens: tokens in the SuffixIndex objects kept cached (LRU; the most recently
-            used one is always kept). An index costs about 0.5 KB per token (Python dicts), so the
-            default 2M tokens is about 1 GB; it is only needed while its prompt's group is being
-            generated, and rebuilding it costs about 2 us per token.
-        index_prompt_tokens: each response is indexed with this many of the prompt's last tokens in
-            front, so that the first response tokens can be drafted from the end of the prompt.
+            evicted whole. `record_rollout`, `responses`, `rollouts` and `version` count as uses.
     """
 
     def __init__(self, max_rollouts: int = 4, max_tokens_per_prompt: int = 1 << 16,
-                 max_total_tokens: int = 1 << 24, max_index_tokens: int = 1 << 21,
-                 index_prompt_tokens: int = 8):
+                 max_total_tokens: int = 1 << 24):
         if max_rollouts < 1:
             raise ValueError(f"max_rollouts must be >= 1, got {max_rollouts}")
         if max_tokens_per_prompt < 1 or max_total_tokens < 1:
             raise ValueError("token budgets must be >= 1")
-        if max_index_tokens < 0 or index_prompt_tokens < 0:
-            raise ValueError("max_index_tokens and index_prompt_tokens must be >= 0")
         self.max_rollouts = max_rollouts
         self.max_tokens_per_prompt = max_tokens_per_prompt
         self.max_total_tokens = max_total_tokens
-        self.max_index_tokens = max_index_tokens
-        self.index_prompt_tokens = index_prompt_tokens
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._indexes: OrderedDict[str, SuffixIndex] = OrderedDict()
-        self._index_tokens = 0  # tokens in the cached indexes
         self._total = 0
+        self._clock = 0  # bumped by every change of a prompt's history (its `version`)
 
     # ------------------------------------------------------------------ recording
 
@@ -110,7 +101,8 @@ class HistoryStore:
             self._entries[key] = entry
             self._total += entry.tokens
         self._entries.move_to_end(key)
-        self._uncache(key)  # its history changes: rebuild on next use
+        self._clock += 1
+        entry.version = self._clock  # its history changes: replicas and cached indexes see a new version
         stored = [array("q", r) for r in responses]
         entry.rollouts.append((stored, rewards_list))
         added = sum(len(r) for r in stored)
@@ -149,12 +141,6 @@ class HistoryStore:
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
         self._total -= entry.tokens
-        self._uncache(key)
-
-    def _uncache(self, key: str) -> None:
-        index = self._indexes.pop(key, None)
-        if index is not None:
-            self._index_tokens -= index.num_tokens
 
     def _evict(self) -> None:
         while self._total > self.max_total_tokens:
@@ -163,8 +149,6 @@ class HistoryStore:
     def clear(self) -> None:
         """Forget everything."""
         self._entries.clear()
-        self._indexes.clear()
-        self._index_tokens = 0
         self._total = 0
 
     # ------------------------------------------------------------------ reading
@@ -214,30 +198,51 @@ class HistoryStore:
         return {"prompts": len(self._entries), "rollouts": rollouts, "responses": responses,
                 "tokens": self._total}
 
-    def index(self, prompt: Sequence[int] | str) -> SuffixIndex | None:
-        """SuffixIndex over the prompt's stored responses (weight = reward, 1.0 when unknown); None if none.
+    def version(self, prompt: Sequence[int] | str) -> int | None:
+        """The prompt's version (changes whenever its history does), or None when it has none. A use."""
+        _, entry = self._get(prompt)
+        return None if entry is None else entry.version
 
-        Each response is indexed as (last `index_prompt_tokens` prompt tokens) + response. Built on
-        first use and cached until the prompt's history changes. Do not mutate the returned index.
-        """
-        key, entry = self._get(prompt)
-        if entry is None:
-            return None
-        index = self._indexes.get(key)
-        if index is not None:
-            self._indexes.move_to_end(key)
-            return index
-        index = SuffixIndex()
-        tail = entry.prompt[-self.index_prompt_tokens:] if self.index_prompt_tokens else array("q")
-        for responses, rewards in entry.rollouts:
-            for response, reward in zip(responses, rewards):
-                sid = index.add(tail, 1.0 if reward is None else reward)
-                index.extend(sid, response)
-        self._indexes[key] = index
-        self._index_tokens += index.num_tokens
-        while self._index_tokens > self.max_index_tokens and len(self._indexes) > 1:
-            self._index_tokens -= self._indexes.popitem(last=False)[1].num_tokens
-        return index
+    def stored(self, prompt: Sequence[int] | str) -> tuple[array, list[tuple[list[array], list]]] | None:
+        """(prompt tokens, [(responses, rewards) per rollout, oldest first]) as stored, without copies, for
+        building an index (`HistoryIndex`); None when the prompt has no history. Do not mutate. A use."""
+        _, entry = self._get(prompt)
+        return None if entry is None else (entry.prompt, entry.rollouts)
+
+    # ------------------------------------------------------------------ shipping to workers
+
+    def export(self, prompts: Iterable[Sequence[int] | str]) -> dict:
+        """The slice of the store that rollouts of `prompts` draft from (those that have a history), with
+        their versions: plain data, for a worker's replica (`merge`)."""
+        items = {}
+        for prompt in prompts:
+            key = prompt if isinstance(prompt, str) else prompt_key(prompt)
+            entry = self._entries.get(key)
+            if entry is not None and key not in items:
+                items[key] = _entry_state(key, entry)
+        return {"format": _FORMAT, "prompts": list(items.values())}
+
+    def merge(self, state: dict) -> int:
+        """Bring this replica up to date with a slice from `export`: each prompt whose version differs from
+        this store's is replaced (then re-trimmed to this store's budgets); equal versions are left alone,
+        so their cached indexes stay valid. Returns how many prompts were replaced."""
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a history store state (format {state.get('format')!r})")
+        replaced = 0
+        for item in state["prompts"]:
+            key = prompt_key(item["prompt"])
+            entry = self._entries.get(key)
+            if entry is not None and entry.version == item["version"]:
+                self._entries.move_to_end(key)
+                continue
+            if entry is not None:
+                self._drop(key)
+            for rollout in item["rollouts"]:
+                self.record_rollout(item["prompt"], rollout["responses"], rollout["rewards"])
+            if key in self._entries:
+                self._entries[key].version = item["version"]
+            replaced += 1
+        return replaced
 
     # ------------------------------------------------------------------ persistence
 
@@ -248,12 +253,8 @@ class HistoryStore:
             "config": {"max_rollouts": self.max_rollouts,
                        "max_tokens_per_prompt": self.max_tokens_per_prompt,
                        "max_total_tokens": self.max_total_tokens},
-            "prompts": [
-                {"key": key, "prompt": e.prompt.tolist(),
-                 "rollouts": [{"responses": [r.tolist() for r in responses], "rewards": list(rewards)}
-                              for responses, rewards in e.rollouts]}
-                for key, e in self._entries.items()
-            ],
+            "clock": self._clock,
+            "prompts": [_entry_state(key, e) for key, e in self._entries.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -269,24 +270,15 @@ class HistoryStore:
             for rollout in item["rollouts"]:
                 self.record_rollout(item["prompt"], rollout["responses"], rollout["rewards"])
             # record_rollout moved it to the most recent end: loading in order restores LRU order.
+            entry = self._entries.get(prompt_key(item["prompt"]))
+            if entry is not None and "version" in item:  # the versions replicas were sent go on holding
+                entry.version = item["version"]
+        self._clock = max(self._clock, state.get("clock", 0))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the store as JSON atomically (temp file in the same directory, fsync, os.replace)."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".history-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.state_dict(), f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        """Write the store as JSON atomically (`atomic_write`)."""
+        with atomic_write(path) as f:
+            json.dump(self.state_dict(), f, separators=(",", ":"))
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace the contents with the JSON file written by `save`."""
@@ -296,3 +288,9 @@ class HistoryStore:
     def __repr__(self) -> str:
         s = self.size()
         return f"HistoryStore(prompts={s['prompts']}, rollouts={s['rollouts']}, tokens={s['tokens']})"
+
+
+def _entry_state(key: str, e: _Entry) -> dict:
+    return {"key": key, "prompt": e.prompt.tolist(), "version": e.version,
+            "rollouts": [{"responses": [r.tolist() for r in responses], "rewards": list(rewards)}
+                         for responses, rewards in e.rollouts]}

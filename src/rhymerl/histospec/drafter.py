@@ -2,7 +2,7 @@
 
 Three sources, most trusted first:
 
-- "history":  the prompt's previous responses (`HistoryStore.index`);
+- "history":  the prompt's previous responses (`HistoryIndex.index`);
 - "siblings": the current group's responses, finished or still running: a per-group SuffixIndex the
   engine feeds (`sid = group.add(prompt[-8:])` when a member starts, then `group.extend(sid, new)`
   after every step; the running sequence may be in it too: its own occurrence at the very end has
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush, nsmallest
 from typing import TYPE_CHECKING
 
-from rhymerl.spec.suffix_index import SuffixIndex
+from rhymerl.histospec.suffix_index import SuffixIndex
 
 if TYPE_CHECKING:
-    from rhymerl.spec.history import HistoryStore
+    from rhymerl.histospec.history_index import HistoryIndex
 
 # A branch's score never drops below this fraction of its count under reward weighting.
 MIN_REWARD_FACTOR = 0.1
@@ -104,7 +104,7 @@ class Drafter:
     """Proposes a draft tree for one running sequence (see the module docstring for the rules).
 
     Args:
-        history: the HistoryStore to look prompts up in when `draft` gets `prompt=` and no index.
+        history: the HistoryIndex to look prompts up in when `draft` gets `prompt=` and no index.
         max_tokens, max_depth, max_branches: default tree budget (nodes), depth and fan-out;
             `max_branches=1` gives a chain.
         max_window, min_len: longest and shortest suffix of the context that is matched.
@@ -112,7 +112,7 @@ class Drafter:
         eos_token_ids: tokens after which the walk stops.
     """
 
-    def __init__(self, history: HistoryStore | None = None, *, max_tokens: int = 32, max_depth: int = 32,
+    def __init__(self, history: HistoryIndex | None = None, *, max_tokens: int = 32, max_depth: int = 32,
                  max_branches: int = 4, max_window: int = 7, min_len: int = 2,
                  reward_weighted: bool = False, reward_alpha: float = 1.0,
                  eos_token_ids: Iterable[int] = ()):

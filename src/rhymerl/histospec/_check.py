@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rhymerl.spec.suffix_index import SuffixIndex
+    from rhymerl.histospec.suffix_index import SuffixIndex
 
 
 def _fail(name: str, detail: str) -> None:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from rhymerl.spec import SuffixIndex
+from rhymerl.histospec.suffix_index import SuffixIndex
 
 
 # ---------------------------------------------------------------- brute-force reference

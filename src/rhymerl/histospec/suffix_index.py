@@ -291,7 +291,7 @@ class SuffixIndex:
         Quadratic to cubic in the number of tokens: use on small indexes only. Raises
         AssertionError naming the broken invariant.
         """
-        from rhymerl.spec._check import check_suffix_index
+        from rhymerl.histospec._check import check_suffix_index
 
         check_suffix_index(self)
 

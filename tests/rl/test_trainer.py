@@ -5,6 +5,7 @@ micro-batched, row-selected, zero-advantage-skipping update."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -159,6 +160,17 @@ def test_all_zero_advantages_skip_the_update():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_samples_carry_their_temperature_and_the_trainer_refuses_another():
+    """A sample records the temperature it was drawn at; greedy (0) samples' log-probs are at temperature 1."""
+    model = tiny_decoder()
+    trainer = PolicyTrainer(model, TrainSection(dtype="fp32"), temperature=1.0, max_completion_length=8)
+    greedy = [dataclasses.replace(s, temperature=0.0) for s in _samples()]
+    trainer.update(greedy)  # greedy: log-probs at temperature 1, as this trainer takes them
+    hot = [dataclasses.replace(s, temperature=0.7) for s in _samples()]
+    with pytest.raises(ValueError, match="temperature"):
+        trainer.update(hot)
+
+
 def test_lr_schedule():
     assert lr_multiplier(0, 2, 10, "constant") == pytest.approx(1 / 3)
     assert lr_multiplier(2, 2, 10, "constant") == 1.0
@@ -208,12 +220,13 @@ def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
 def test_config_choices_equal_what_the_implementations_accept():
     """config.py keeps torch-free copies of these lists; they must not drift from the modules that use them."""
     from rhymerl import config
-    from rhymerl.engine import engine, speculator
+    from rhymerl.engine import engine
+    from rhymerl.histospec import budget
     from rhymerl.model import pretrained
     from rhymerl.rl import advantages, losses
 
     assert set(config.SPECULATIVE_MODES) == set(engine.SPECULATIVE_MODES)
-    assert set(config.DRAFT_RULES) == set(speculator.LENGTH_RULES)
+    assert set(config.DRAFT_RULES) == set(budget.LENGTH_RULES)
     assert set(config.LOSS_TYPES) == set(losses.LOSS_TYPES)
     assert set(config.SCALE_REWARDS) == set(advantages.SCALE_REWARDS)
     for name in config.DTYPES:

@@ -4,8 +4,10 @@ import random
 
 import pytest
 
-from rhymerl.spec import Draft, Drafter, HistoryStore, SuffixIndex
-from rhymerl.spec.drafter import next_token_certainty
+from rhymerl.histospec.drafter import Draft, Drafter, next_token_certainty
+from rhymerl.histospec.history_index import HistoryIndex
+from rhymerl.histospec.suffix_index import SuffixIndex
+from rhymerl.history import HistoryStore
 
 EOS = 0
 
@@ -35,7 +37,7 @@ def assert_well_formed(draft, max_tokens, max_depth=None, max_branches=None):
 
 
 def test_nothing_to_draft_from():
-    drafter = Drafter(HistoryStore())
+    drafter = Drafter(HistoryIndex(HistoryStore()))
     assert drafter.draft([1, 2, 3]) == Draft()
     assert drafter.draft([1, 2, 3], prompt=[4, 5]) == Draft()  # prompt never seen
     assert drafter.draft([1, 2, 3], history=SuffixIndex(), siblings=SuffixIndex()) == Draft()
@@ -46,10 +48,10 @@ def test_nothing_to_draft_from():
 
 
 def test_history_via_store_and_prompt_key():
-    store = HistoryStore(index_prompt_tokens=3)
+    store = HistoryStore()
     prompt = [100, 101, 102]
     store.record_rollout(prompt, [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4]], [1.0, 1.0, 0.0])
-    drafter = Drafter(store, max_branches=1)
+    drafter = Drafter(HistoryIndex(store, index_prompt_tokens=3), max_branches=1)
     # Start of generation: the context is the prompt's end, matched against the indexed prompt tail.
     draft = drafter.draft(prompt, prompt=prompt)
     assert draft.tokens == [1, 2, 3, 4] and draft.source == "history" and draft.match_len == 3

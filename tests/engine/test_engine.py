@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from rhymerl.engine.backends import native
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampler import BLOCK, filtered_probs, keyed_uniforms, sample, sample_columns
 from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
-from rhymerl.model import native
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 

@@ -21,12 +21,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from rhymerl.bench import e2e_bench, spec_bench
 from rhymerl.config import ConfigError, load_config
 from rhymerl.data.dataset import DatasetError
-from rhymerl.engine.speculator import CostModel
+from rhymerl.cost_model import CostModel
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model import pretrained
-from rhymerl.model.decoder import cpu_packing_supported
+from rhymerl.engine.backends.cpu_weights import cpu_packing_supported
 from rhymerl.rl.checkpoint import latest_checkpoint
-from rhymerl.rl.loop import TrainingRun, batch_indices, deterministic_algorithms
+from rhymerl.process import deterministic_algorithms
+from rhymerl.rl.loop import TrainingRun, batch_indices
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -231,7 +232,7 @@ def test_lora_trains_adapters_only_and_resumes_exactly(tiny_dir, tmp_path):
     assert all(torch.equal(base[n], p) for n, p in full.model.named_parameters() if "lora_" not in n)
     assert any(r.get("actor/trained_seqs", 0) > 0 for r in rows_full)
     # The rollout model got the merged weights: it differs from the base now.
-    assert not torch.equal(full.rollout_model.layers[0].mlp.down_proj.weight, base["layers.0.mlp.down_proj.base_layer.weight"])
+    assert not torch.equal(full.pool.worker.model.layers[0].mlp.down_proj.weight, base["layers.0.mlp.down_proj.base_layer.weight"])
 
     half = TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "half", *lora, "train.total_steps=2")))
     half.run()
@@ -288,7 +289,7 @@ def test_the_update_runs_with_deterministic_algorithms_and_the_rollout_without(t
         return wrapped
 
     monkeypatch.setattr(run.trainer, "update", recording("update", run.trainer.update))
-    monkeypatch.setattr(run.engine, "generate", recording("rollout", run.engine.generate))
+    monkeypatch.setattr(run.pool, "rollout", recording("rollout", run.pool.rollout))
     before = torch.are_deterministic_algorithms_enabled()
     run.run()
     assert seen == {"update": True, "rollout": before}
@@ -306,7 +307,7 @@ def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_pat
     cfg = load_config(None, _overrides(tiny_dir, tmp_path / "a", "train.dtype=auto", "rollout.dtype=auto"))
     run = TrainingRun(cfg, cost_model=FLAT)
     want = torch.bfloat16 if native_bf16 else torch.float32
-    assert next(run.rollout_model.parameters()).dtype == want
+    assert next(run.pool.worker.model.parameters()).dtype == want
     assert run.trainer.autocast == (torch.bfloat16 if native_bf16 else None)
     assert next(run.model.parameters()).dtype == torch.float32  # master weights
     assert run.cfg.rollout.dtype == run.cfg.train.dtype == "auto"
@@ -342,9 +343,9 @@ def test_a_resumed_auto_run_keeps_the_dtypes_it_started_with(tiny_dir, tmp_path,
     monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: False)
     capfd.readouterr()
     kept = TrainingRun.resume(out, cost_model=FLAT)
-    assert next(kept.rollout_model.parameters()).dtype == torch.bfloat16 and kept.trainer.autocast == torch.bfloat16
+    assert next(kept.pool.worker.model.parameters()).dtype == torch.bfloat16 and kept.trainer.autocast == torch.bfloat16
     assert "rollout.dtype=auto: keeping bf16" in capfd.readouterr().err
     assert kept.cfg.rollout.dtype == kept.cfg.train.dtype == "auto"  # the config is not rewritten
     switched = TrainingRun.resume(out, ["rollout.dtype=fp32"], cost_model=FLAT)
-    assert next(switched.rollout_model.parameters()).dtype == torch.float32
+    assert next(switched.pool.worker.model.parameters()).dtype == torch.float32
     assert switched.trainer.autocast == torch.bfloat16  # train.dtype is still auto: kept

@@ -5,11 +5,14 @@ import torch
 
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.speculator import (MATCH_WINDOW, PROBE_EVERY, PROBE_MAX, PROBE_NODES, PROBE_SPEND, SIBLING_PROMPT_TOKENS, AIMDLength, CostModel,
-                                      DoublingLength, Speculator, _edge_events, _top_nodes, _uniform_cap, is_probe_step,
-                                      verify)
-from rhymerl.spec.drafter import Draft
-from rhymerl.spec.history import HistoryStore
+from rhymerl.cost_model import CostModel
+from rhymerl.histospec.budget import (PROBE_EVERY, PROBE_MAX, PROBE_NODES, PROBE_SPEND, AIMDLength, DoublingLength,
+                                      is_probe_step, top_nodes, uniform_cap)
+from rhymerl.histospec.calibration import edge_events
+from rhymerl.histospec.drafter import Draft
+from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS, Speculator
+from rhymerl.histospec.verify import verify
+from rhymerl.history import HistoryStore
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
@@ -35,14 +38,9 @@ def engine(model, spec, history=None, cost=FLAT, slots=4, **kw):
 
 
 def run_verify(draft, node_tokens):
-    """Drive the verify generator with a fixed draw per node (node_tokens[k]: the draw after node k-1)."""
-    walk = verify(draft)
-    node = next(walk)
-    while True:
-        try:
-            node = walk.send(node_tokens[node + 1])
-        except StopIteration as done:
-            return done.value
+    """`verify` with a fixed draw per node (node_tokens[k]: the draw after node k-1)."""
+    (v,) = verify([draft], lambda live, nodes, depths: ([node_tokens[n + 1] for n in nodes], [0.0] * len(nodes)))
+    return v.path, v.tokens
 
 
 PROMPT, RESPONSE = list(range(1, 11)), list(range(100, 130))  # a one-response history (see `copier`)
@@ -138,7 +136,8 @@ def test_speculative_rollout_is_token_identical_in_bf16_on_tiles(temperature):
     the same tokens and the same log-probs (elsewhere bf16 is covered by the distribution test only)."""
     model = peaky(tiny_decoder("llama-d64", torch.bfloat16))
     probe = engine(model, "off")
-    if not (probe.runner.tiles and probe.runner.tree_attention is not None):
+    backend = probe.runner.backend
+    if not (getattr(backend, "tiles", False) and backend.tree_attention is not None):
         pytest.skip("needs AMX tiles and the AVX-512 tree attention")
     prompts = random_prompts(6, seed=23)
     params = SamplingParams(temperature=temperature, max_tokens=24, seed=7)
@@ -159,7 +158,7 @@ def test_tile_cache_changes_no_bit_of_a_rollout():
     paths. A rollout with it equals one whose cache is forgotten before every step."""
     model = peaky(tiny_decoder("llama-d64", torch.bfloat16))
     probe = engine(model, "off")
-    if probe.cache.tiles is None:
+    if getattr(probe.runner.backend, "tile_cache", None) is None:
         pytest.skip("needs AMX tiles (the tree kernel keeps no tile cache elsewhere)")
     prompts = random_prompts(5, seed=29, lo=40, hi=70)  # past a 32-position block before decoding
     params = SamplingParams(temperature=0.3, max_tokens=40, seed=3)
@@ -172,7 +171,7 @@ def test_tile_cache_changes_no_bit_of_a_rollout():
         if forget:
             run = eng.runner.run
             def run_forgetting(inputs, *a, eng=eng, run=run, **kw):
-                eng.cache.tile_blocks.zero_()
+                eng.runner.backend.tile_cache.blocks.zero_()
                 return run(inputs, *a, **kw)
             eng.runner.run = run_forgetting
         outs[forget] = eng.generate(batch, params, request_ids=ids)
@@ -304,7 +303,7 @@ def test_a_sequence_whose_drafts_are_never_kept_drafts_only_on_its_probes():
     draft = spec.drafter.draft
     spec.drafter.draft = lambda ctx, **k: calls.append(ctx[0]) or draft(ctx, **k)
     for _ in range(30):
-        kept = spec.propose([prompt_a[-8:], prompt_b[-8:]], [a, b], base_tokens=2, seqs=2)
+        kept = spec.plan([prompt_a[-8:], prompt_b[-8:]], [a, b], base_tokens=2, seqs=2)
         assert kept[0].tokens and not kept[1].tokens
     assert calls.count(prompt_a[-8]) == 30
     assert calls.count(prompt_b[-8]) == sum(1 for k in range(30) if k < PROBE_EVERY or k % PROBE_EVERY == 0)
@@ -320,7 +319,7 @@ def test_drafts_that_save_less_time_than_drafting_took_count_as_idle():
         spec, state = copier(0.01, 8, unit)  # +1% per draft token
         for _ in range(PROBE_EVERY + 1):  # idle 0..8 are probe steps (is_probe_step), 9 is not
             assert not spec.drafting_paused(1)
-            (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+            (draft,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
             assert draft.tokens == RESPONSE[: len(draft.tokens)] != []
         assert spec.drafting_paused(1) == paused
 
@@ -339,7 +338,7 @@ def test_probes_explore_so_early_rejections_cannot_stop_drafting_for_good():
     for _ in range(40):
         if spec.drafting_paused(1):
             continue
-        (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+        (draft,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
         drafted.append(len(draft.tokens))
         if draft.tokens:  # a chain the policy follows to its end
             assert draft.is_chain() and draft.tokens == RESPONSE[: len(draft.tokens)]
@@ -374,10 +373,10 @@ def test_edge_events_count_each_reached_node_once():
                   probs=[0.75, 0.75, 0.75, 0.25])
     # accepted 0 and 1, rejected below 1: the root (depth 0), 0 and 1 each predicted a continuation with
     # share 1; the walk continued out of the first two
-    assert _edge_events(draft, [0, 1]) == [(pytest.approx(1.0), 1), (pytest.approx(1.0), 1), (pytest.approx(1.0), 0)]
+    assert edge_events(draft, [0, 1]) == [(pytest.approx(1.0), 1), (pytest.approx(1.0), 1), (pytest.approx(1.0), 0)]
     # accepted 3, a leaf: only the root predicted anything
-    assert _edge_events(draft, [3]) == [(pytest.approx(1.0), 1), (0.0, 0)]
-    assert _edge_events(draft, []) == [(pytest.approx(1.0), 0)]
+    assert edge_events(draft, [3]) == [(pytest.approx(1.0), 1), (0.0, 0)]
+    assert edge_events(draft, []) == [(pytest.approx(1.0), 0)]
 
 
 def test_budget_discounts_deep_nodes_per_edge():
@@ -386,7 +385,7 @@ def test_budget_discounts_deep_nodes_per_edge():
     verifies 2 draft tokens (the rate (1 + gain) / cost peaks there), not the whole chain."""
     spec, state = copier(0.1, 32)
     assert spec.edge_calibration() == [0.5] * 32  # the prior, before any verification
-    (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+    (draft,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
     assert draft.tokens == RESPONSE[:2]
 
 
@@ -397,12 +396,12 @@ def test_budget_takes_the_steps_best_nodes_while_requests_wait_and_caps_every_dr
     sequence that will finish last is not starved."""
     ranked = [[0.9] * 10, [0.1] * 10]
     cost = lambda extra: 1.0 + 0.1 * extra  # noqa: E731
-    keep, extra = _top_nodes(ranked, cost, plain_rate=2.0)
+    keep, extra = top_nodes(ranked, cost, plain_rate=2.0)
     assert keep[1] == 0 and keep[0] >= 8 and extra == sum(keep)
-    assert _uniform_cap(ranked, cost, plain_rate=2.0) == ([10, 10], 20)
+    assert uniform_cap(ranked, cost, plain_rate=2.0) == ([10, 10], 20)
     # nothing pays when a draft token costs as much as a forward
     steep = lambda extra: 1.0 + 1.0 * extra  # noqa: E731
-    assert _top_nodes(ranked, steep, plain_rate=2.0) == ([0, 0], 0) == _uniform_cap(ranked, steep, plain_rate=2.0)
+    assert top_nodes(ranked, steep, plain_rate=2.0) == ([0, 0], 0) == uniform_cap(ranked, steep, plain_rate=2.0)
 
 
 def test_engine_tells_the_budget_when_the_rollout_drains(model):
@@ -411,8 +410,8 @@ def test_engine_tells_the_budget_when_the_rollout_drains(model):
     prompts = random_prompts(6, seed=40)
     eng = engine(model, "histospec", history, slots=2)
     seen = []
-    propose = eng.speculator.propose
-    eng.speculator.propose = lambda *a, draining=False, **kw: (seen.append((len(eng.scheduler.waiting), draining))
+    propose = eng.speculator.plan
+    eng.speculator.plan = lambda *a, draining=False, **kw: (seen.append((len(eng.scheduler.waiting), draining))
                               or propose(*a, draining=draining, **kw))
     eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
     assert seen and all(d == (w == 0) for w, d in seen)
@@ -430,7 +429,7 @@ def test_drafts_reach_the_end_of_the_context_and_never_past_it(model):
     eng = Engine(model, num_slots=2, max_model_len=max_len, eos_token_ids=[], speculative="histospec",
                  history=history, cost_model=FLAT, max_draft_tokens=8)
     rooms, depths = [], []
-    propose = eng.speculator.propose
+    propose = eng.speculator.plan
 
     def spy(*a, max_depths=None, **kw):
         drafts = propose(*a, max_depths=max_depths, **kw)
@@ -438,7 +437,7 @@ def test_drafts_reach_the_end_of_the_context_and_never_past_it(model):
         depths.extend(max(d.depths(), default=0) for d in drafts)
         return drafts
 
-    eng.speculator.propose = spy
+    eng.speculator.plan = spy
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in engine(model, "off").generate(prompts, params)]
     # the prompt's forward gives token 1, then 9 + 9 + 5 (a draft 4 deep: 5 tokens were left)
@@ -459,13 +458,13 @@ def test_a_long_match_tells_apart_responses_that_share_their_last_7_tokens(model
     for window, first in ((MATCH_WINDOW, {90}), (7, {90, 95})):
         spec = Speculator(FLAT, history, rule="cost", max_draft_tokens=3, correct_cost=False)
         spec.drafter.max_window = window
-        (draft,) = spec.propose([context], [spec.start("g", PROMPT)], base_tokens=1, seqs=1)
+        (draft,) = spec.plan([context], [spec.start("g", PROMPT)], base_tokens=1, seqs=1)
         assert {t for t, p in zip(draft.tokens, draft.parents) if p < 0} == first
         assert draft.match_len == window  # the history index holds the prompt in front of each response
     eng = engine(model, "histospec", history)
     contexts = []
-    propose = eng.speculator.propose
-    eng.speculator.propose = lambda ctx, *a, **kw: contexts.extend(ctx) or propose(ctx, *a, **kw)
+    propose = eng.speculator.plan
+    eng.speculator.plan = lambda ctx, *a, **kw: contexts.extend(ctx) or propose(ctx, *a, **kw)
     prompts = random_prompts(2, seed=42)
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     # each context: a sequence's last MATCH_WINDOW tokens at the time (all of them while it was shorter)
@@ -505,5 +504,5 @@ def test_calibration_learns_that_deep_edges_continue_more_often():
     assert calib[0] == pytest.approx(0.25, abs=0.05)
     assert all(c > 0.95 for c in calib[1:8])
     assert calib[8:] == pytest.approx([calib[7]] * 24, abs=0.05)  # never observed: borrowed from above
-    (draft,) = spec.propose([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+    (draft,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
     assert len(draft.tokens) > 16

@@ -1,0 +1,309 @@
+"""HistoSpec inside the engine: which drafts a step verifies, and what it learns from the verified ones.
+
+The engine talks to it through two calls a step:
+
+- `propose(seqs, rooms, base_tokens, draining)`: a draft tree per sequence (often empty). Every decoding
+  sequence asks the drafter for a token tree (history -> siblings -> self); the measured cost model then keeps
+  only the draft nodes whose expected acceptances buy more than the forward time they add (`budget`).
+- `commit(seqs, drafts, verified, appended, step_seconds, batch_done)`: after the engine's forward and the
+  acceptance walk (`verify`), the statistics, the edge calibration, the draft-length rules, the sibling and
+  self indexes, and the measured step time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rhymerl.cost_model import CostModel
+from rhymerl.histospec import budget
+from rhymerl.histospec.budget import PROBE_EVERY, PROBE_NODES, PROBE_SPEND, is_probe_step
+from rhymerl.histospec.calibration import MATCH_CLASSES, EdgeCalibration, match_class
+from rhymerl.histospec.drafter import Draft, Drafter
+from rhymerl.histospec.history_index import HistoryIndex
+from rhymerl.histospec.suffix_index import SuffixIndex
+from rhymerl.histospec.verify import Verified
+from rhymerl.history import HistoryStore
+
+SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
+# The drafter matches up to MATCH_WINDOW recent tokens. A longer match tells apart sources that agree on the
+# last 7 tokens but not before: two responses caught in similar loops, or a history response that shares a
+# phrase but not the sentence. On the T=0.3 tail a 15-token window took clearly fewer forwards than 7
+# (SESSIONREF fifteenth session); 23 gained nothing more.
+MATCH_WINDOW = 15
+
+
+@dataclass
+class SpecStats:
+    """HistoSpec's work, for the whole engine (`Speculator.stats`) or for one request
+    (`RequestOutput.spec`)."""
+
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens accepted
+    accepted_by_source: dict = field(default_factory=lambda: {"history": 0, "siblings": 0, "self": 0})
+    verify_steps: int = 0  # (sequence, step) pairs that verified a non-empty draft
+    # time spent drafting and choosing the budget; for a request, its share: each drafting step's time
+    # split evenly over the sequences that drafted in it
+    draft_s: float = 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Accepted draft tokens per verified draft."""
+        return self.accepted / max(self.verify_steps, 1)
+
+    def add(self, draft: Draft, accepted: int) -> None:
+        """Count one verified draft and how many of its tokens the policy accepted."""
+        self.drafted += len(draft.tokens)
+        self.accepted += accepted
+        self.accepted_by_source[draft.source] += accepted
+        self.verify_steps += 1
+
+
+@dataclass
+class SiblingGroup:
+    """The responses of the sequences sharing a prompt in this batch, as one suffix index (one sequence per
+    sibling), plus the tokens committed since the index was last read: the index is only read when
+    drafting, so it catches up then (`flush`) and not after every step."""
+
+    index: SuffixIndex = field(default_factory=SuffixIndex)
+    unindexed: dict[int, list[int]] = field(default_factory=dict)  # sibling id -> tokens not in `index` yet
+
+    def flush(self) -> None:
+        for sid, tokens in self.unindexed.items():
+            if tokens:
+                self.index.extend(sid, tokens)
+                tokens.clear()
+
+
+@dataclass
+class SeqSpec:
+    """A sequence's speculation state: its own index, its place among its siblings, its draft length.
+    Committed tokens reach `own` (and the group) only when the sequence drafts next: a sequence that
+    finishes first, or a step where drafting is paused, never pays for indexing them."""
+
+    own: SuffixIndex
+    group: SiblingGroup
+    sibling_id: int
+    history: SuffixIndex | None
+    length: int
+    stats: SpecStats = field(default_factory=SpecStats)  # this request's (RequestOutput.spec)
+    unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
+    idle: int = 0  # consecutive drafting steps that kept none of this sequence's draft (see Speculator.plan)
+
+    def drafts_now(self) -> bool:
+        """After PROBE_EVERY drafting steps in a row that kept nothing of its draft, a sequence drafts only
+        every PROBE_EVERY-th time: at a high temperature most sequences match nothing useful, and drafting and
+        indexing them at every step cost more than the few tokens the others' drafts gain."""
+        return self.idle < PROBE_EVERY or self.idle % PROBE_EVERY == 0
+
+    def flush(self) -> None:
+        if self.unindexed:
+            self.own.extend(0, self.unindexed)
+            self.unindexed.clear()
+        self.group.flush()
+
+
+class DraftingSequence(Protocol):
+    """What HistoSpec reads of an engine sequence (`rhymerl.engine.sequence.Sequence`); `spec` is its own."""
+
+    group: object  # siblings share a group
+    prompt_ids: list[int]
+    output_ids: list[int]
+    spec: SeqSpec | None
+
+
+class Speculator:
+    """HistoSpec's state in one engine: the drafter over `history`, the sibling groups of the running batch,
+    the edge calibration, the step-level pause and the online correction of the cost model."""
+
+    def __init__(self, cost: CostModel, history: HistoryStore | None = None, rule: str = "aimd",
+                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4, correct_cost: bool = True):
+        self.cost = cost
+        self.correct_cost = correct_cost  # learn measured/predicted step time online (see observe_step)
+        self.history = history  # the store drafts come from; its indexes, built and cached:
+        self.indexes = HistoryIndex(history) if history is not None else None
+        self.rule = budget.length_rule(rule, max_draft_tokens)
+        self.drafter = Drafter(self.indexes, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
+                               max_branches=max_branches, max_window=MATCH_WINDOW, eos_token_ids=eos_token_ids)
+        self.max_draft_tokens = max_draft_tokens
+        self.groups: dict[object, SiblingGroup] = {}  # group key -> the siblings' index
+        self.stats = SpecStats()
+        self.calibration = EdgeCalibration(max_draft_tokens)
+        # Consecutive steps (per batch-size bucket) whose drafts did not pay for the drafting (a zero budget,
+        # or an expected saving below the drafting time): after PROBE_EVERY of them, drafting itself is
+        # skipped except on probe steps (`is_probe_step`).
+        self._idle: dict[int, int] = {}
+        # Measured / predicted step time, for drafting and for plain steps, per batch-size bucket: a real
+        # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
+        # when it drafts; the decision compares corrected costs. Updated by `observe_step`.
+        self._ratio: dict[tuple[int, bool], float] = {}
+        self._pending: tuple | None = None
+
+    # ---- the engine's two calls a step ----------------------------------------------------------
+    def propose(self, seqs: list[DraftingSequence], rooms: list[int], base_tokens: int,
+                draining: bool) -> list[Draft]:
+        """A draft per sequence of the step (empty for most). `rooms[i]`: how deep sequence i may draft (0 for
+        a sequence still prefilling, or with no room left); the step feeds `base_tokens` tokens without
+        drafts; `draining`: no request waits for a slot (see `plan`)."""
+        for seq in seqs:
+            if seq.spec is None:
+                seq.spec = self.start(seq.group, seq.prompt_ids)
+        drafts = [Draft()] * len(seqs)
+        drafting = [i for i, room in enumerate(rooms) if room > 0]
+        if not drafting or self.drafting_paused(len(seqs)):
+            return drafts
+        window = self.drafter.max_window  # the recent tokens the drafter matches
+        proposed = self.plan([_tail(seqs[i], window) for i in drafting], [seqs[i].spec for i in drafting],
+                             base_tokens, len(seqs), draining=draining, max_depths=[rooms[i] for i in drafting])
+        for i, d in zip(drafting, proposed):
+            drafts[i] = d
+        return drafts
+
+    def commit(self, seqs: list[DraftingSequence], drafts: list[Draft], verified: list[Verified],
+               appended: list[list[int]], started: float, batch_done: bool) -> None:
+        """At the end of a step: each sequence's verified draft (`verified[i].path`) and the tokens it
+        appended (`appended[i]`, the verified tokens cut at a finish); `started`: the step's start
+        (time.perf_counter), for its measured time; `batch_done`: no request is left, so the sibling
+        indexes, which live as long as the batch, go."""
+        for seq, draft, v, new in zip(seqs, drafts, verified, appended):
+            self.record(seq.spec, draft, v.path)
+            self.observe(seq.spec, new)
+        if batch_done:
+            self.groups.clear()
+        self.observe_step(time.perf_counter() - started)
+
+    # ---- pieces of the two calls ---------------------------------------------------------------
+    def start(self, group_key, prompt_ids: list[int]) -> SeqSpec:
+        """A sequence's state, made when it first takes part in a step."""
+        group = self.groups.setdefault(group_key, SiblingGroup())
+        own = SuffixIndex()
+        own.add(prompt_ids)
+        sid = group.index.add(prompt_ids[-SIBLING_PROMPT_TOKENS:])
+        history = self.indexes.index(prompt_ids) if self.indexes is not None else None
+        return SeqSpec(own, group, sid, history, self.rule.start)
+
+    def observe(self, spec: SeqSpec, new_tokens: list[int]) -> None:
+        """The tokens a sequence committed this step, for its own and its group's index (buffered until the
+        next draft reads them: `SeqSpec.flush`)."""
+        spec.unindexed += new_tokens
+        spec.group.unindexed.setdefault(spec.sibling_id, []).extend(new_tokens)
+
+    def drafting_paused(self, seqs: int) -> bool:
+        """Whether this step (with `seqs` sequences) skips drafting because drafts stopped paying and it is
+        not a probe step (`is_probe_step`). A paused step counts as one more zero-budget step; call
+        `plan` only when this says False."""
+        bucket = seqs.bit_length()
+        idle = self._idle.get(bucket, 0)
+        if is_probe_step(idle):
+            return False
+        self._idle[bucket] = idle + 1
+        self._pending = None
+        return True
+
+    def plan(self, contexts: list[list[int]], specs: list[SeqSpec], base_tokens: int, seqs: int,
+             draining: bool = False, max_depths: list[int] | None = None) -> list[Draft]:
+        """Drafts for the decoding sequences (their recent tokens in `contexts`), cut to what maximises
+        expected committed tokens per second of forward time; `seqs` sequences feed `base_tokens` tokens
+        without drafts; `max_depths`: per sequence, how deep its draft may go (default: no limit beyond the
+        drafter's). Nothing (plain decoding) wins whenever drafts do not pay (a full batch, poor
+        matches, high temperature). Which nodes compete depends on `draining`:
+
+        - requests still waiting for a slot (False): the step's most valuable nodes, whichever sequences
+          they belong to (`budget.top_nodes`). Any committed token is worth the same then, so throughput is
+          what counts, and a copying sequence drafts deep while a poorly matched one drafts nothing.
+        - nothing waiting (True, the drain): a cap c on every sequence's draft (`budget.uniform_cap`). The
+          slowest sequence now decides when the rollout ends, and it is typically the poorly matched
+          one, which a budget by value alone would starve.
+
+        Measured with `rhymerl bench spec` (SESSIONREF tenth session)."""
+        t0 = time.perf_counter()
+        bucket = seqs.bit_length()
+        idle = self._idle.get(bucket, 0)
+        drafts, skipped = [], []
+        for ctx, s, depth in zip(contexts, specs, max_depths or [None] * len(specs)):
+            skipped.append(not s.drafts_now())
+            if skipped[-1]:
+                drafts.append(Draft())
+            else:
+                s.flush()
+                drafts.append(self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own,
+                                                 max_tokens=s.length, max_depth=depth))
+        reach = [self.calibration.discounts(c) for c in range(MATCH_CLASSES)]
+        # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
+        # (path probability and the depth discount both shrink), and ties go to the lower index (parents
+        # come first), so every prefix of this order is a rooted subtree.
+        discounts = [reach[match_class(d.match_len)] for d in drafts]
+        values = [[p * r[k] for p, k in zip(d.probs, d.depths())] for d, r in zip(drafts, discounts)]
+        order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
+        plain_cost = self.cost(base_tokens, seqs)
+        # measured/predicted time of drafting steps relative to plain ones (observe_step)
+        scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        ranked = [[v[j] for j in o] for v, o in zip(values, order)]
+
+        def step_cost(n: int) -> float:  # predicted time of this step with n draft tokens
+            return self.cost(base_tokens + n, seqs) * scale
+
+        choose = budget.uniform_cap if draining else budget.top_nodes
+        keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
+        drafting = any(keep)
+        # Whether proposing paid, for the step-level pause: the time the kept drafts are expected to save
+        # (plain decoding would take longer to commit the same tokens) must exceed the time drafting took.
+        # The kept drafts are verified either way (drafting is spent by now), but a step that saves less
+        # counts as idle: at a high temperature a few promising-looking drafts per step otherwise kept
+        # every sequence drafting, for fewer tokens than the drafting cost (SESSIONREF thirteenth session).
+        gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
+        saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
+        pays = saved > time.perf_counter() - t0
+        if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
+            limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
+            extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
+                                                      for j in range(1, PROBE_NODES + 1)))
+            drafting = any(keep)
+        # A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
+        # drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here
+        # too would compound the two schedules until no probe ever drafted again.
+        for s, n, skip in zip(specs, keep, skipped):
+            s.idle = 0 if n else s.idle + 1 if drafting or skip else s.idle
+        self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
+        self._idle[bucket] = 0 if pays else idle + 1
+        out = [budget.prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
+        elapsed = time.perf_counter() - t0
+        self.stats.draft_s += elapsed
+        drafted = [s for s, skip in zip(specs, skipped) if not skip]
+        for s in drafted:
+            s.stats.draft_s += elapsed / len(drafted)
+        return out
+
+    def edge_calibration(self, cls: int | None = None) -> list[float]:
+        """The calibrated continuation factors by depth (`EdgeCalibration.factors`)."""
+        return self.calibration.factors(cls)
+
+    def observe_step(self, seconds: float) -> None:
+        """The measured time of the step `plan` planned: updates the measured/predicted ratio."""
+        if self._pending is None or not self.correct_cost:
+            return
+        bucket, drafting, predicted = self._pending
+        key = (bucket, drafting)
+        self._ratio[key] = 0.9 * self._ratio.get(key, 1.0) + 0.1 * (seconds / predicted)
+        self._pending = None
+
+    def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int]) -> None:
+        """Bookkeeping after verification: stats, calibration and the next draft length."""
+        if not draft.tokens:
+            return
+        n_acc = len(accepted_nodes)
+        self.stats.add(draft, n_acc)
+        spec.stats.add(draft, n_acc)
+        self.calibration.update(draft, accepted_nodes)
+        spec.length = self.rule.next(spec.length, max(draft.depths()), n_acc)
+
+
+def _tail(seq: DraftingSequence, n: int) -> list[int]:
+    """The last n tokens of prompt + output, without copying the whole sequence."""
+    out = seq.output_ids[-n:]
+    return out if len(out) == n else seq.prompt_ids[-(n - len(out)):] + out

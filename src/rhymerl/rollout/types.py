@@ -1,0 +1,81 @@
+"""The rollout interface's data: what goes to the workers and what comes back (plain, picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from rhymerl.engine.engine import EngineStats
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sequence import RequestOutput
+from rhymerl.histospec.speculator import SpecStats
+
+
+class StaleWeightsError(RuntimeError):
+    """A worker was asked to roll out on weights of another version than the ones it holds."""
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt's requests: the `num_generations` siblings of a GRPO group (they share the prompt's prefill
+    and draft from each other), each with its request id (the key of its random draws)."""
+
+    prompt_ids: list[int]
+    request_ids: list[str]
+
+
+@dataclass
+class WorkerStats:
+    """One worker's share of a rollout call."""
+
+    worker: int
+    requests: int = 0
+    engine: EngineStats = field(default_factory=EngineStats)
+    spec: SpecStats | None = None  # None: HistoSpec off
+    started: float = 0.0  # time.time() when the worker began the call
+    finished: float = 0.0  # ... and ended it
+    history_prompts_replaced: int = 0  # prompts of its history replica brought up to date by the call
+
+
+@dataclass
+class RolloutResult:
+    """The outputs of every request, groups in the order given and siblings in order, and per-worker stats."""
+
+    outputs: list[RequestOutput]
+    workers: list[WorkerStats]
+    weights_version: int
+
+    def engine_totals(self) -> EngineStats:
+        """The workers' engine stats added up."""
+        total = EngineStats()
+        for w in self.workers:
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(w.engine, name))
+        return total
+
+    def spec_totals(self) -> SpecStats | None:
+        """The workers' HistoSpec stats added up (None when HistoSpec is off)."""
+        specs = [w.spec for w in self.workers if w.spec is not None]
+        if not specs:
+            return None
+        total = SpecStats()
+        for s in specs:
+            total.drafted += s.drafted
+            total.accepted += s.accepted
+            total.verify_steps += s.verify_steps
+            total.draft_s += s.draft_s
+            for src, n in s.accepted_by_source.items():
+                total.accepted_by_source[src] = total.accepted_by_source.get(src, 0) + n
+        return total
+
+
+class RolloutPool(Protocol):
+    """What the RL loop calls (LocalPool here; a Ray pool implements the same)."""
+
+    weights_version: int
+
+    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams) -> RolloutResult: ...
+
+    def load_weights(self, params: dict, version: int) -> None: ...
+
+    def record(self, prompt_ids: list[int], responses: list[list[int]], rewards: list[float | None] | None) -> None: ...

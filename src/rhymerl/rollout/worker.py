@@ -1,0 +1,79 @@
+"""A rollout worker: one engine, its HistoSpec state and the history replica it drafts from."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from rhymerl.cost_model import CostModel
+from rhymerl.engine.engine import Engine, EngineStats
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sequence import RequestOutput
+from rhymerl.histospec.speculator import SpecStats
+from rhymerl.history import HistoryStore
+from rhymerl.model.decoder import Decoder
+from rhymerl.model.pretrained import parse_dtype
+from rhymerl.rollout.types import RolloutGroup, StaleWeightsError, WorkerStats
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker's engine is built with (plain data: a worker in another process gets a copy)."""
+
+    num_slots: int = 32
+    max_model_len: int = 2048
+    dtype: str = "fp32"  # the rollout copy's dtype ("bf16", "fp32", as resolved by the loop)
+    speculative: str = "histospec"
+    max_draft_tokens: int = 32
+    draft_rule: str = "cost"
+    history_rollouts: int = 4  # the history replica's budget, as the truth's
+
+
+class RolloutWorker:
+    """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
+    (copied, in `config.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
+
+    def __init__(self, policy: Decoder, tokenizer, config: WorkerConfig, worker_id: int = 0,
+                 cost_model: CostModel | None = None):
+        self.worker_id = worker_id
+        self.config = config
+        self.model = copy.deepcopy(policy).to(parse_dtype(config.dtype)).eval().requires_grad_(False)
+        self.history = HistoryStore(max_rollouts=config.history_rollouts)  # a replica of the pool's
+        self.engine = Engine(self.model, tokenizer, num_slots=config.num_slots, max_model_len=config.max_model_len,
+                             speculative=config.speculative, history=self.history,
+                             max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
+                             cost_model=cost_model)
+        self.weights_version = 0
+
+    def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
+        """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
+        dtype. The engine's weight copies (prepacked, tiles) notice the new versions and remake themselves."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+        self.weights_version = version
+
+    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
+                weights_version: int) -> tuple[list[RequestOutput], WorkerStats]:
+        """Every request of `groups` to completion, after bringing the history replica up to date with
+        `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`."""
+        if weights_version != self.weights_version:
+            raise StaleWeightsError(f"worker {self.worker_id} holds weights version {self.weights_version}, "
+                                    f"the rollout asks for version {weights_version}")
+        stats = WorkerStats(self.worker_id, started=time.time())
+        stats.history_prompts_replaced = self.history.merge(history)
+        self.engine.stats = EngineStats()
+        if self.engine.speculator is not None:
+            self.engine.speculator.stats = SpecStats()
+        prompts = [g.prompt_ids for g in groups for _ in g.request_ids]
+        ids = [rid for g in groups for rid in g.request_ids]
+        outputs = self.engine.generate(prompts, params, request_ids=ids)
+        stats.requests = len(ids)
+        stats.engine = self.engine.stats
+        stats.spec = self.engine.speculator.stats if self.engine.speculator is not None else None
+        stats.finished = time.time()
+        return outputs, stats

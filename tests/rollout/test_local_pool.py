@@ -1,0 +1,75 @@
+"""The rollout interface in process: outputs as the engine gives them, versioned weights, history shipped as
+slices to the worker's replica (never a shared reference)."""
+
+import pytest
+import torch
+
+from rhymerl.cost_model import CostModel
+from rhymerl.engine.engine import Engine
+from rhymerl.history import HistoryStore
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
+from tiny_models import random_prompts, tiny_decoder
+
+FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
+PARAMS = SamplingParams(temperature=0.3, max_tokens=16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model = tiny_decoder("llama")
+    with torch.no_grad():
+        model.norm.weight.mul_(6.0)  # peaky, so that history drafts get accepted (see tests/histospec)
+    return model
+
+
+def make_pool(policy, history=None):
+    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+    return LocalPool(RolloutWorker(policy, None, config, cost_model=FLAT), HistoryStore() if history is None else history)
+
+
+def groups(prompts, n=2, tag="s0"):
+    return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
+
+
+def test_a_rollout_gives_what_plain_decoding_gives(policy):
+    prompts = random_prompts(3, seed=7)
+    result = make_pool(policy).rollout(groups(prompts), PARAMS)
+    plain = Engine(policy, num_slots=4, max_model_len=64).generate(
+        [p for p in prompts for _ in range(2)], PARAMS, request_ids=[f"s0-p{i}-g{g}" for i in range(3) for g in range(2)])
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in plain]
+    assert [o.request_id for o in result.outputs] == [o.request_id for o in plain]
+    (stats,) = result.workers
+    assert stats.requests == 6 and stats.engine.generated_tokens == sum(len(o.token_ids) for o in plain)
+    assert result.engine_totals().generated_tokens == stats.engine.generated_tokens
+    assert stats.finished >= stats.started
+
+
+def test_recorded_history_reaches_the_worker_as_a_slice(policy):
+    history = HistoryStore()
+    pool = make_pool(policy, history)
+    prompts = random_prompts(2, seed=8)
+    first = pool.rollout(groups(prompts, tag="e1"), PARAMS)
+    assert first.workers[0].history_prompts_replaced == 0
+    for i, p in enumerate(prompts):
+        pool.record(p, [o.token_ids for o in first.outputs[2 * i : 2 * i + 2]], [1.0, 0.0])
+    assert pool.worker.history is not history and len(pool.worker.history) == 0  # a replica, not a reference
+    second = pool.rollout(groups(prompts, tag="e2"), PARAMS)
+    assert second.workers[0].history_prompts_replaced == 2
+    assert pool.worker.history.rollouts(prompts[0]) == history.rollouts(prompts[0])
+    assert second.spec_totals().accepted_by_source["history"] > 0
+    again = pool.rollout(groups(prompts, tag="e3"), PARAMS)
+    assert again.workers[0].history_prompts_replaced == 0  # nothing changed: nothing shipped anew
+
+
+def test_weights_are_versioned_and_a_stale_worker_refuses(policy):
+    pool = make_pool(policy)
+    prompts = random_prompts(2, seed=9)
+    before = pool.rollout(groups(prompts), PARAMS)
+    assert before.weights_version == 0
+    changed = {name: p.detach() * 0.5 for name, p in policy.named_parameters()}
+    pool.load_weights(changed, version=1)
+    after = pool.rollout(groups(prompts), PARAMS)
+    assert after.weights_version == 1
+    assert [o.token_ids for o in after.outputs] != [o.token_ids for o in before.outputs]
+    with pytest.raises(StaleWeightsError, match="version 1"):
+        pool.worker.rollout(groups(prompts), PARAMS, {"format": "rhymerl.history/1", "prompts": []}, weights_version=2)
