@@ -13,6 +13,7 @@ from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS, Speculator
 from rhymerl.histospec.verify import verify
 from rhymerl.history import HistoryStore
+from suffix_index_check import check_suffix_index
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
@@ -363,8 +364,8 @@ def test_indexes_catch_up_with_every_committed_token(model):
         spec.flush()
         assert spec.own.sequence(0) == prompt + out.token_ids
         assert spec.group.index.sequence(spec.sibling_id) == prompt[-SIBLING_PROMPT_TOKENS:] + out.token_ids
-        spec.own.check_integrity()
-        spec.group.index.check_integrity()
+        check_suffix_index(spec.own)
+        check_suffix_index(spec.group.index)
 
 
 def test_edge_events_count_each_reached_node_once():

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from rhymerl.histospec.suffix_index import SuffixIndex
+from suffix_index_check import check_suffix_index
 
 
 # ---------------------------------------------------------------- brute-force reference
@@ -87,7 +88,7 @@ def test_random_against_reference(seed):
             assert index.add(tokens, w) == len(seqs)
             seqs.append(tokens)
             weights.append(w)
-        index.check_integrity()
+        check_suffix_index(index)
         assert index.num_sequences == len(seqs)
         assert index.num_tokens == sum(map(len, seqs))
         assert [index.sequence(i) for i in range(len(seqs))] == seqs
@@ -123,8 +124,8 @@ def test_interleaved_extend_equals_adding_whole_sequences(seed):
         k = rng.randrange(1, 4)
         pieces.extend(ids[i], seqs[i][pos[i]:pos[i] + k])
         pos[i] += k
-    pieces.check_integrity()
-    whole.check_integrity()
+    check_suffix_index(pieces)
+    check_suffix_index(whole)
     assert canonical(pieces) == canonical(whole)
 
 
@@ -181,7 +182,7 @@ def test_long_repeated_token_loop_stays_linear_and_exact():
     small = SuffixIndex(max_count_len=4)
     small.add([5] * 30)
     small.extend(0, [6, 5, 5])
-    small.check_integrity()
+    check_suffix_index(small)
 
 
 def test_empty_and_errors():
@@ -189,7 +190,7 @@ def test_empty_and_errors():
     assert index.longest_match([1, 2, 3]) == (0, None)
     assert index.add([]) == 0
     assert index.num_tokens == 0 and index.num_sequences == 1
-    index.check_integrity()
+    check_suffix_index(index)
     with pytest.raises(ValueError):
         index.extend(1, [1])
     with pytest.raises(ValueError):
@@ -212,7 +213,7 @@ def test_check_integrity_names_the_broken_invariant(corrupt, name):
     index = SuffixIndex()
     index.add([1, 2, 3, 1, 2])
     index.add([2, 3])
-    index.check_integrity()
+    check_suffix_index(index)
     corrupt(index)
     with pytest.raises(AssertionError, match=name):
-        index.check_integrity()
+        check_suffix_index(index)

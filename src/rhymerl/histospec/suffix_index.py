@@ -283,18 +283,6 @@ class SuffixIndex:
                 return None
         return v
 
-    # ------------------------------------------------------------------ tests
-
-    def check_integrity(self) -> None:
-        """Verify every invariant exhaustively against the stored sequences (for tests).
-
-        Quadratic to cubic in the number of tokens: use on small indexes only. Raises
-        AssertionError naming the broken invariant.
-        """
-        from rhymerl.histospec._check import check_suffix_index
-
-        check_suffix_index(self)
-
     def __repr__(self) -> str:
         return (f"SuffixIndex(sequences={self.num_sequences}, tokens={self.num_tokens}, "
                 f"states={self.num_states}, max_count_len={self.max_count_len})")

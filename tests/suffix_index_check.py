@@ -1,4 +1,4 @@
-"""Exhaustive invariant checks for SuffixIndex (tests only; kept out of the hot module).
+"""Exhaustive invariant checks for SuffixIndex (tests only): quadratic to cubic in the tokens, small indexes only.
 
 Each failed check raises AssertionError whose message starts with the invariant's name.
 """
