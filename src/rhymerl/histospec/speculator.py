@@ -30,7 +30,7 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # The drafter matches up to MATCH_WINDOW recent tokens. A longer match tells apart sources that agree on the
 # last 7 tokens but not before: two responses caught in similar loops, or a history response that shares a
 # phrase but not the sentence. On the T=0.3 tail a 15-token window took clearly fewer forwards than 7
-# (SESSIONREF fifteenth session); 23 gained nothing more.
+# (docs/notebook/2026-11-23.md, bench spec at 021876b); 23 gained nothing more.
 MATCH_WINDOW = 15
 
 
@@ -220,7 +220,7 @@ class Speculator:
           slowest sequence now decides when the rollout ends, and it is typically the poorly matched
           one, which a budget by value alone would starve.
 
-        Measured with `rhymerl bench spec` (SESSIONREF tenth session)."""
+        Measured with `rhymerl bench spec` (docs/notebook/2026-11-22.md, bench spec at e908d1a)."""
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
@@ -255,7 +255,8 @@ class Speculator:
         # (plain decoding would take longer to commit the same tokens) must exceed the time drafting took.
         # The kept drafts are verified either way (drafting is spent by now), but a step that saves less
         # counts as idle: at a high temperature a few promising-looking drafts per step otherwise kept
-        # every sequence drafting, for fewer tokens than the drafting cost (SESSIONREF thirteenth session).
+        # every sequence drafting, for fewer tokens than the drafting cost (docs/notebook/2026-11-23.md, bench spec
+        # at 919e14e).
         gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
         saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
         pays = saved > time.perf_counter() - t0

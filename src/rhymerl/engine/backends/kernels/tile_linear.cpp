@@ -4,7 +4,7 @@
 // Why not oneDNN's: at the row counts of rollout (1 to a few hundred tokens a step), its prepacked bf16
 // matmul was slower than this one, both in memory-bound decode steps and in verification steps that add
 // arithmetic. This one streams each weight tile from memory once per call and reuses it from cache for
-// every 32 rows (docs/benchmarks.md, eighth session: `bench engine` and `bench spec` before and after).
+// every 32 rows (docs/notebook/2026-11-22.md: `bench engine` at 8e9d563 and `bench spec` at d737761, before and after).
 //
 // Arithmetic: each output element is the fp32 sum over K in blocks of 32 (one TDPBF16PS per block, in K
 // order), plus the bias in fp32, rounded once to bf16. A row's result depends only on that row, not on how

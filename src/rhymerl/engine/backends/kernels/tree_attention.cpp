@@ -466,10 +466,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void tree_attention_tiles(
 // CPUs without AVX-512 (AVX2 x86, Arm): the same work items in portable vector code, fp32 only (dtype=auto is
 // fp32 where bf16 is not native). Without it the small steps' attention is SDPA over one group padded to the
 // largest tree, which on a 2-core AVX2 CPU made a drafting step cost more than the start-up cost grid (measured
-// with uniform chains) predicted (docs/benchmarks.md, eleventh session). One query at a time: its scores over
-// the prefix and its ancestors, their softmax, the weighted sum of the values, each in a fixed order (8 lanes
-// by key index), so a query's bits depend only on its own keys and a token verified in a tree gets the bits
-// it gets decoded alone.
+// with uniform chains) predicted (docs/notebook/2026-11-22.md, bench spec at 733015d and 7f5499d). One query at
+// a time: its scores over the prefix and its ancestors, their softmax, the weighted sum of the values, each in
+// a fixed order (8 lanes by key index), so a query's bits depend only on its own keys and a token verified in
+// a tree gets the bits it gets decoded alone.
 typedef float V8 __attribute__((vector_size(32)));
 
 inline V8 load8(const float* p) {
