@@ -26,7 +26,9 @@ from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
+from rhymerl.engine.prefix_sharing import share_prefixes
 from rhymerl.engine.sequence import RequestOutput, Sequence
+from rhymerl.engine.stats import EngineStats
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.histospec.verify import Verified, verify
@@ -36,28 +38,6 @@ from rhymerl.model.decoder import Decoder
 SPECULATIVE_MODES = ("off", "histospec")
 # Shorter shared prefixes (a BOS, a role tag) are recomputed rather than copied in every layer.
 MIN_SHARED_PREFIX = 8
-
-
-@dataclass
-class EngineStats:
-    forward_passes: int = 0
-    tokens_forwarded: int = 0  # tokens fed through the model: prompts + decode tokens (+ drafts)
-    prompt_tokens: int = 0  # prompt tokens fed through the model
-    shared_prompt_tokens: int = 0  # prompt tokens not fed: copied from a slot holding the same prefix
-    generated_tokens: int = 0  # tokens appended to outputs
-    busy_s: float = 0.0  # wall time inside step()
-    forward_s: float = 0.0  # of which in the model's forward
-    seq_steps: int = 0  # sum over steps of the sequences in the step
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Generated tokens per forward pass."""
-        return self.generated_tokens / max(self.forward_passes, 1)
-
-    @property
-    def tokens_per_seq_forward(self) -> float:
-        """Tokens each sequence commits per forward it takes part in: 1 without speculation."""
-        return self.generated_tokens / max(self.seq_steps, 1)
 
 
 @dataclass
@@ -159,7 +139,8 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        sources = self._share_prefixes(seqs)
+        sources, shared = share_prefixes(seqs, MIN_SHARED_PREFIX)
+        self.stats.shared_prompt_tokens += shared
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
         inputs = []
@@ -191,34 +172,6 @@ class Engine:
         self.stats.busy_s += elapsed
         self.stats.seq_steps += len(seqs)
         return events
-
-    def _share_prefixes(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Prefill a shared prompt prefix once. A sequence admitted now copies the keys/values of the longest
-        prefix it shares with a sequence that holds it (running) or prefills it in this step, and feeds only
-        the rest of its prompt (at least the last token, whose logits it needs). The `num_generations`
-        copies of a GRPO prompt so cost one prefill, and prompts under one chat template share its system
-        part. Returns {follower slot: source slot} and sets the followers' num_cached. The copied keys and
-        values are the same tokens at the same positions: they can differ from a recomputation only in
-        the last bits (another batch shape), which the sampler is robust to."""
-        if all(seq.num_cached for seq in seqs):
-            return {}
-        # Sources hold their whole prefix before the copy: running sequences, and this step's full prefills
-        # (a follower's own copied positions land in the same layer pass, so it cannot be a source yet).
-        held = [seq for seq in seqs if seq.num_cached >= len(seq.prompt_ids)]
-        sources = {}
-        for seq in seqs:
-            if seq.num_cached:
-                continue
-            shared, source = max(((_common_prefix(seq.prompt_ids, h.prompt_ids), h.slot) for h in held),
-                                 default=(0, -1))
-            shared = min(shared, len(seq.prompt_ids) - 1)
-            if shared >= MIN_SHARED_PREFIX:
-                sources[seq.slot] = source
-                seq.num_cached = shared
-                self.stats.shared_prompt_tokens += shared
-            else:
-                held.append(seq)
-        return sources
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
         if self.speculator is None:
@@ -341,13 +294,4 @@ class Engine:
             bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
         bar.close()
         return [results[rid] for rid in ids]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from rhymerl.engine.engine import EngineStats
+from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
 from rhymerl.histospec.speculator import SpecStats

@@ -10,7 +10,8 @@ from typing import Sequence
 import torch
 
 from rhymerl.cost_model import CostModel
-from rhymerl.engine.engine import Engine, EngineStats
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
 from rhymerl.histospec.speculator import SpecStats

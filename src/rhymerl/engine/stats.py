@@ -1,0 +1,27 @@
+"""An engine's counters (torch-free): forwards, tokens, time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    forward_passes: int = 0
+    tokens_forwarded: int = 0  # tokens fed through the model: prompts + decode tokens (+ drafts)
+    prompt_tokens: int = 0  # prompt tokens fed through the model
+    shared_prompt_tokens: int = 0  # prompt tokens not fed: copied from a slot holding the same prefix
+    generated_tokens: int = 0  # tokens appended to outputs
+    busy_s: float = 0.0  # wall time inside step()
+    forward_s: float = 0.0  # of which in the model's forward
+    seq_steps: int = 0  # sum over steps of the sequences in the step
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per forward pass."""
+        return self.generated_tokens / max(self.forward_passes, 1)
+
+    @property
+    def tokens_per_seq_forward(self) -> float:
+        """Tokens each sequence commits per forward it takes part in: 1 without speculation."""
+        return self.generated_tokens / max(self.seq_steps, 1)
