@@ -14,7 +14,8 @@ from rhymerl.config import TrainSection
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.rl.losses import entropy_from_logits, policy_loss
-from rhymerl.rl.trainer import ROWS_PER_CHUNK, PolicyTrainer, Sample, TargetLogprobs, lr_multiplier, token_logprobs
+from rhymerl.rl.logprobs import ROWS_PER_CHUNK, Sample, TargetLogprobs, token_logprobs
+from rhymerl.rl.trainer import PolicyTrainer, lr_multiplier
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 

@@ -27,7 +27,8 @@ from rhymerl.model import pretrained
 from rhymerl.engine.backends.cpu_weights import cpu_packing_supported
 from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.process import deterministic_algorithms
-from rhymerl.rl.loop import TrainingRun, batch_indices
+from rhymerl.rl.loop import TrainingRun
+from rhymerl.rl.prompts import batch_indices
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft

@@ -11,10 +11,8 @@ uninterrupted run would have done, and HistoSpec on or off gives the same rollou
 
 from __future__ import annotations
 
-import random
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,51 +21,20 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
-from rhymerl.data.dataset import Example, builtin_examples, read_dataset
 from rhymerl.cost_model import CostModel
 from rhymerl.history import HistoryStore
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.model.pretrained import chat_prompt_ids, resolve_dtype
+from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, set_rng_state
 from rhymerl.rl.lora import add_lora, merged_parameters
+from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
-
-
-@dataclass
-class Prompt:
-    example: Example
-    ids: list[int]
-
-
-def batch_indices(step: int, num_prompts: int, per_step: int, seed: int, shuffle: bool) -> list[int]:
-    """Dataset rows of step `step` (0-based): a stream of epochs, each a permutation keyed by (seed, epoch),
-    read `per_step` rows at a time. A pure function of its arguments: the data position is the step."""
-    out = []
-    for pos in range(step * per_step, (step + 1) * per_step):
-        epoch, i = divmod(pos, num_prompts)
-        order = list(range(num_prompts))
-        if shuffle:
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(order[i])
-    return out
-
-
-def encode_prompts(tokenizer, examples: list[Example], max_len: int, what: str) -> tuple[list[Prompt], list[str]]:
-    """Chat-template token ids of each example; a prompt longer than `max_len` tokens is skipped and reported."""
-    kept, skipped = [], []
-    for ex in examples:
-        ids = chat_prompt_ids(tokenizer, ex.messages())
-        if len(ids) > max_len:
-            skipped.append(f"{ex.source}: {what} prompt has {len(ids)} tokens > data.max_prompt_length={max_len}")
-        else:
-            kept.append(Prompt(ex, ids))
-    return kept, skipped
 
 
 def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
@@ -126,7 +93,7 @@ class TrainingRun:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
         # ---- data ----
-        self.train_prompts, self.val_prompts, self.data_notes = self._load_data()
+        self.train_prompts, self.val_prompts, self.data_notes = load_prompts(cfg, self.tokenizer, cfg.run.seed)
 
         # ---- trainer, rewards ----
         self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
@@ -161,29 +128,6 @@ class TrainingRun:
         if latest_checkpoint(run_dir) is None:
             raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
         return cls(load_config(run_dir / "config.yaml", overrides), resume_dir=run_dir, **kw)
-
-    def _load_data(self) -> tuple[list[Prompt], list[Prompt], dict]:
-        d, notes = self.cfg.data, {}
-        if d.train_files:
-            loaded = read_dataset(d.train_files, skip_malformed=d.skip_malformed)
-            train, notes["data/skipped_rows"] = loaded.examples, len(loaded.skipped)
-            for msg in loaded.skipped[:5]:
-                print(f"[data] skipped {msg}", file=sys.stderr)
-            val = read_dataset(d.val_files, skip_malformed=d.skip_malformed).examples if d.val_files else []
-        else:
-            train = builtin_examples(d.task, d.num_train_prompts, self.cfg.run.seed)
-            seen = {ex.prompt for ex in train}  # held out: no validation prompt is also a training prompt
-            val = [ex for ex in builtin_examples(d.task, d.num_val_prompts * 2, self.cfg.run.seed + 7919)
-                   if ex.prompt not in seen][: d.num_val_prompts]
-        train_p, skipped = encode_prompts(self.tokenizer, train, d.max_prompt_length, "train")
-        val_p, skipped_val = encode_prompts(self.tokenizer, val, d.max_prompt_length, "val")
-        for msg in (skipped + skipped_val)[:5]:
-            print(f"[data] skipped {msg}", file=sys.stderr)
-        notes["data/skipped_long_prompts"] = len(skipped) + len(skipped_val)
-        if not train_p:
-            raise ValueError(f"no training prompts left (all {len(train)} longer than data.max_prompt_length="
-                             f"{d.max_prompt_length} tokens?)")
-        return train_p, val_p, notes
 
     # ---- one step ---------------------------------------------------------------------------------
     def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str) -> RolloutResult:
