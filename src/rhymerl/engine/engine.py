@@ -70,7 +70,8 @@ class Engine:
         param = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
-        scratch = max_draft_tokens if speculative != "off" else 0
+        self.max_draft_tokens = max_draft_tokens if speculative != "off" else 0
+        scratch = self.max_draft_tokens  # the cache holds one step's draft past the context
         self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
                              param.dtype, param.device, scratch)
         self.runner = ModelRunner(model, self.cache)
@@ -187,7 +188,7 @@ class Engine:
         the context), less the bonus token every step appends. The tree's nodes always fit in the cache:
         its scratch holds max_draft_tokens positions past the context."""
         left = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
-        return max(min(left - 1, self.speculator.max_draft_tokens), 0)
+        return max(min(left - 1, self.max_draft_tokens), 0)
 
     def _verify(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
                 rows_per_seq: list[int]) -> list[Verified]:
