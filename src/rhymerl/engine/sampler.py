@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernel
            rows: list[int] | None = None) -> tuple[list[int], list[float]]:
     """logits: [N, V] (fp32, or bf16: widened exactly); rows: the R rows to sample, all with the same params
     (None: every row); keys: [R] draw keys (`draw_key`). Returns (token ids, policy log-probs).
-    `kernels`: `rhymerl.model.native.ops()`, whose `sample_rows` does the plain case (temperature, no
+    `kernels`: `rhymerl.engine.backends.native.ops()`, whose `sample_rows` does the plain case (temperature, no
     top-k/top-p) on a CPU in one pass over each row, in place, with the same keyed noise and a few-ulp exp
     (tests/test_engine.py compares the two: the same tokens)."""
     if kernels is not None and not params.greedy and params.top_k == 0 and params.top_p >= 1.0 \

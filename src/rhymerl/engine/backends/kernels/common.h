@@ -1,4 +1,4 @@
-// Shared by the fused CPU kernels (rhymerl/model/native.py builds every .cpp of this directory into one
+// Shared by the fused CPU kernels (rhymerl/engine/backends/native.py builds every .cpp of this directory into one
 // library, `torch.ops.rhymerl_native`): bf16 <-> fp32 conversions and an exp that the compiler vectorises,
 // input checks, and the functions one file calls in another.
 #pragma once
@@ -68,7 +68,7 @@ inline void check_cpu(const Tensor& t, const char* name) {
               " must be a contiguous CPU tensor");
 }
 
-// layer.cpp: y = x W^T + b, the weight in one of these layouts (Decoder._fused_weights says which).
+// layer.cpp: y = x W^T + b, the weight in one of these layouts (backends/cpu_weights.py says which).
 constexpr int64_t kPlain = 0, kOneDnn = 1, kTiles = 2;
 Tensor linear(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b, int64_t layout);
 

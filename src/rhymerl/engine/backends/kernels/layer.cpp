@@ -1,4 +1,4 @@
-// The decoder layer's fused kernels for the rollout forward (rhymerl/model/native.py builds this directory).
+// The decoder layer's fused kernels for the rollout forward (rhymerl/engine/backends/native.py builds this directory).
 //
 // Why: decoding a small model on a CPU is bound by per-op overhead as much as by arithmetic. A decoder
 // layer in eager PyTorch is ~30 small kernels and as many Python calls; here it is two calls around the
@@ -189,7 +189,7 @@ std::tuple<Tensor, Tensor> post_attn(const Tensor& attn, const Tensor& s, const 
   return {s2, linear(act, down_w, std::nullopt, layout)};
 }
 
-// Attention of a step whose tokens form one slot group (engine/model_runner.py: _Group and
+// Attention of a step whose tokens form one slot group (engine/backends/eager.py: _Group and
 // CachedAttention._group/_sdpa, which this mirrors op for op). With `tree_base` (every slot of the group
 // feeds at most 64 tokens and tree_attention takes the shape): tree_attention. Else SDPA over the cache rows
 // of the group's slots (a slice [lo, hi) when `rows` is None, else a gather), keys [0, l), an additive
@@ -231,7 +231,7 @@ Tensor group_attention(const Tensor& q, const Tensor& cache, const Tensor& slot_
 // architecture has none). cache: [layers, slots, 2KV, capacity, D]. shares: prefix copies (destination
 // slots, source slots, length), done in each layer after its keys/values are written. Returns (x, r) as
 // pre_attn/post_attn do: the residual stream and the last MLP output, not yet added. tiles, tile_blocks:
-// the tree attention's tile cache of every layer (engine/kv_cache.py), where it keeps one.
+// the tree attention's tile cache of every layer (engine/backends/tile_cache.py), where it keeps one.
 std::tuple<Tensor, Tensor> forward_layers(
     Tensor x, const c10::List<std::optional<Tensor>>& weights, int64_t layout, const Tensor& cos, const Tensor& sin,
     const Tensor& cache, const Tensor& slot_of, const Tensor& write_pos, int64_t h, int64_t kv, double eps,

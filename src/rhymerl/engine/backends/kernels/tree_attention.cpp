@@ -1,9 +1,9 @@
 // Attention of a forward's small steps (decode rows, draft trees, chains of at most 64 tokens per slot)
 // without padding or mask: on AVX-512 CPUs in fp32 and bf16; elsewhere in fp32 by a portable version
 // (`tree_attention_rows_portable`), and in bf16 `tree_attention_supports` is false and every step's
-// attention is SDPA's (engine/model_runner.py decides which groups it gets). In bf16 on CPUs with AMX the
+// attention is SDPA's (engine/backends/cpu_attention.py decides which groups it gets). In bf16 on CPUs with AMX the
 // products run on tiles (`tree_attention_tiles`), reading each slot's keys and values from a tile cache
-// that the engine keeps beside the KV cache (engine/kv_cache.py); else in fp32 AVX-512 arithmetic.
+// that the engine keeps beside the KV cache (engine/backends/tile_cache.py); else in fp32 AVX-512 arithmetic.
 #include <torch/library.h>
 
 #include "common.h"
