@@ -285,7 +285,7 @@ def test_save_load_round_trip(tmp_path):
     # sections are written in declaration order
     text = path.read_text()
     assert [line.rstrip(":") for line in text.splitlines() if not line.startswith(" ")] == \
-        ["model", "data", "reward", "rollout", "train", "val", "run"]
+        ["model", "data", "reward", "rollout", "train", "val", "run", "ray"]
 
 
 def test_config_from_dict_fills_missing_keys_and_rejects_unknown():

@@ -8,6 +8,7 @@ The dataclass defaults are the first layer of a config (they run the embedded ar
 from __future__ import annotations
 
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -15,9 +16,9 @@ from typing import Any
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
-    "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "SCALE_REWARDS", "SPECULATIVE_MODES",
-    "ConfigError", "DataSection", "ModelSection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig",
-    "TrainSection", "ValSection", "validate",
+    "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "ROLLOUT_BACKENDS", "SCALE_REWARDS",
+    "SPECULATIVE_MODES", "ConfigError", "DataSection", "ModelSection", "RaySection", "RewardSection", "RolloutSection",
+    "RunSection", "TrainConfig", "TrainSection", "ValSection", "validate",
 ]
 
 # Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so
@@ -29,6 +30,7 @@ DRAFT_RULES = ("aimd", "doubling", "cost")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+ROLLOUT_BACKENDS = ("local", "ray")  # rhymerl.rollout.factory.make_pool builds each
 
 
 class ConfigError(ValueError):
@@ -154,10 +156,17 @@ class RolloutSection(_Section):
     max_draft_tokens: int = _opt(32, "longest draft proposed per step", check=">= 1")
     draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; "
                            "aimd = the paper's +2 / back to 2; doubling = x2 / halve", DRAFT_RULES)
+    backend: str = _opt("local", "where rollout workers run: local = one worker in this process, no services; "
+                        "ray = one Ray actor per worker (see the ray section)", ROLLOUT_BACKENDS)
+    num_workers: int = _opt(1, "rollout workers, each an engine with its HistoSpec state (> 1 needs "
+                            "backend=ray); the CPU cores are divided among them, on CUDA each takes one GPU",
+                            check=">= 1")
 
     def _rules(self) -> list[tuple]:
         return [("num_generations", self.num_generations >= 2, ">= 2",
-                 " (GRPO compares completions of one prompt: a group of 1 has zero advantage)")]
+                 " (GRPO compares completions of one prompt: a group of 1 has zero advantage)"),
+                ("num_workers", self.backend != "local" or self.num_workers == 1, "1 with rollout.backend=local",
+                 " (the local backend runs one in-process worker; set rollout.backend=ray for several)")]
 
 
 @dataclass
@@ -214,6 +223,19 @@ class RunSection(_Section):
 
 
 @dataclass
+class RaySection(_Section):
+    """The Ray cluster of rollout.backend=ray (unused by the local backend)."""
+
+    address: str = _opt("", "'' = start a fresh local cluster for this run (ray.init(address='local'), never a "
+                        "stray one that happens to run); auto = join the running cluster (`ray start --head`); "
+                        "host:port = join that one")
+
+    def _rules(self) -> list[tuple]:
+        return [("address", self.address in ("", "auto") or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address)
+                 is not None, "'', 'auto' or 'host:port'")]
+
+
+@dataclass
 class TrainConfig:
     """The whole config of `rhymerl train`, one dataclass per section."""
 
@@ -224,6 +246,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     val: ValSection = field(default_factory=ValSection)
     run: RunSection = field(default_factory=RunSection)
+    ray: RaySection = field(default_factory=RaySection)
 
 
 # ---------------------------------------------------------------- schema lookups
