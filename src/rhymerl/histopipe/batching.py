@@ -1,0 +1,100 @@
+"""One worker's continuous batching as a timing model: when each request finishes (torch-free).
+
+The engine keeps a fixed number of slots. A step decodes one token for every running sequence and costs
+`cost(n, n)` seconds for n running sequences (`rhymerl.cost_model.CostModel`); a request that finishes frees
+its slot, which the next queued request takes for the next step. Given each request's length (the tokens it
+decodes) in admission order, `run_worker` gives every request's finish time exactly. Between two finishes the
+batch does not change, so it advances a whole run of equal steps at once: O(N log slots), not O(steps).
+
+Prefill is optional (`prefill`: seconds per request, paid when the request is admitted, before the next
+decode step). Left out, a worker's time is decode only: GRPO siblings share their prompt's prefill through
+prefix sharing, and with short prompts and long responses decode is nearly all of a rollout.
+
+The planner runs this model on predicted lengths (a worker's predicted finish), the simulator on true ones:
+one model of a worker, not two.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+Cost = Callable[..., float]  # cost(tokens, seqs) -> seconds of one forward, like CostModel
+
+
+def decode_costs(cost: Cost, slots: int) -> list[float]:
+    """Seconds of one decode step with n running sequences, for n = 0..slots (index 0 is 0.0).
+
+    Tabulated once per plan or simulation: `CostModel.__call__` interpolates, and a worker's timeline asks
+    for a step cost at every finish."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    return [0.0] + [float(cost(n, n)) for n in range(1, slots + 1)]
+
+
+@dataclass
+class WorkerRun:
+    """One worker's run of its requests, in admission order. Times in seconds from the run's start.
+
+    start[i]: when request i's first decode step begins; finish[i]: when its last one ends; end: when the
+    worker runs out of work; occupancy: (time, running sequences from then on) at every change, ending with
+    (end, 0): the batch size over time, for a Gantt chart."""
+
+    start: list[float]
+    finish: list[float]
+    end: float
+    occupancy: list[tuple[float, int]]
+
+
+def run_worker(lengths: Sequence[float], slots: int, step_cost: Sequence[float],
+               prefill: Sequence[float] | None = None) -> WorkerRun:
+    """Continuous batching of requests decoding `lengths` tokens each (admitted in this order) on `slots`
+    slots, a step of n running sequences costing `step_cost[n]` seconds (`decode_costs`). A length below 1
+    counts as 1: every response decodes at least one token (its end-of-sequence)."""
+    if len(step_cost) < slots + 1:
+        raise ValueError(f"step_cost has {len(step_cost)} entries, needs slots + 1 = {slots + 1}")
+    if prefill is not None and len(prefill) != len(lengths):
+        raise ValueError(f"{len(lengths)} lengths but {len(prefill)} prefill times")
+    n = len(lengths)
+    start, finish = [0.0] * n, [0.0] * n
+    occupancy: list[tuple[float, int]] = []
+    running: list[tuple[float, int]] = []  # heap of (the step count at which it finishes, request index)
+    step, clock, queued = 0.0, 0.0, 0
+    while True:
+        while queued < n and len(running) < slots:  # refill the free slots before the next step
+            if prefill is not None:
+                clock += prefill[queued]
+            start[queued] = clock
+            heapq.heappush(running, (step + max(float(lengths[queued]), 1.0), queued))
+            queued += 1
+        if not running:
+            break
+        if not occupancy or occupancy[-1][1] != len(running):
+            occupancy.append((clock, len(running)))
+        next_finish = running[0][0]
+        clock += (next_finish - step) * step_cost[len(running)]  # the run of equal steps up to it
+        step = next_finish
+        while running and running[0][0] == step:
+            finish[heapq.heappop(running)[1]] = clock
+    occupancy.append((clock, 0))
+    return WorkerRun(start, finish, clock, occupancy)
+
+
+def worker_time(lengths: Sequence[float], slots: int, step_cost: Sequence[float]) -> float:
+    """When a worker running `lengths` in this order (no prefill) runs out of work: `run_worker(...).end`
+    without the per-request lists, for the planner's many trial assignments."""
+    running: list[float] = []
+    step, clock = 0.0, 0.0
+    queued, n = 0, len(lengths)
+    while True:
+        while queued < n and len(running) < slots:
+            heapq.heappush(running, step + max(float(lengths[queued]), 1.0))
+            queued += 1
+        if not running:
+            return clock
+        next_finish = running[0]
+        clock += (next_finish - step) * step_cost[len(running)]
+        step = next_finish
+        while running and running[0] == step:
+            heapq.heappop(running)
