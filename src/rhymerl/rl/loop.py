@@ -34,7 +34,8 @@ from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
-from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams, WorkerConfig
+from rhymerl.rollout.factory import make_pool
 
 
 def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
@@ -88,7 +89,9 @@ class TrainingRun:
         worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
                               speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
                               draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts)
-        self.pool = LocalPool(RolloutWorker(self.model, self.tokenizer, worker, cost_model=cost_model), self.history)
+        self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
+                              self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
+                              cost_model=cost_model)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 

@@ -7,8 +7,9 @@ A pool of rollout workers behind one interface (`RolloutPool`):
 - `record(prompt_ids, responses, rewards)`: the scored rollout into the history store, the truth the pool
   ships to its workers (a slice per call, `HistoryStore.export` / `merge`: never a shared reference).
 
-`LocalPool` (one in-process worker) is the default; a Ray pool, one actor per worker, implements the same
-interface next.
+`LocalPool` (one in-process worker, `rollout.backend=local`) is the default; `ray_pool.RayPool` (one Ray actor
+per worker, `rollout.backend=ray`) implements the same interface. `factory.make_pool` chooses between them; it
+and `ray_pool` are not imported here, so that importing this package does not import ray.
 """
 
 from rhymerl.engine.sampling_params import SamplingParams  # what a rollout call takes, re-exported for the loop

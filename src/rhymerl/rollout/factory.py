@@ -1,0 +1,35 @@
+"""The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
+
+Importing this module imports ray (through `ray_pool`, the only module that imports it), so only the
+training loop imports it: `from rhymerl.rollout import ...` stays free of ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rhymerl.cost_model import CostModel
+from rhymerl.history import HistoryStore
+from rhymerl.model.decoder import Decoder
+from rhymerl.rollout import ray_pool
+from rhymerl.rollout.local import LocalPool
+from rhymerl.rollout.types import RolloutPool
+from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
+
+
+def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder, tokenizer,
+              model_dir: str | os.PathLike, worker_config: WorkerConfig, history: HistoryStore, *, seed: int = 0,
+              device: str = "cpu", cost_model: CostModel | None = None) -> RolloutPool:
+    """The pool of `num_workers` workers on `backend` ('local': in this process, exactly one worker; 'ray':
+    one Ray actor each, on the cluster `ray_address` names, '' = a fresh local one). Each worker starts from
+    `policy`'s weights (version 0); `history` is the truth the pool ships slices of."""
+    if backend == "local":
+        if num_workers != 1:
+            raise ValueError(f"rollout.backend=local runs one in-process worker, got rollout.num_workers="
+                             f"{num_workers}: set rollout.backend=ray for several")
+        return LocalPool(RolloutWorker(policy, tokenizer, worker_config, cost_model=cost_model), history)
+    if backend == "ray":
+        ray_pool.connect(ray_address)
+        return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
+                                device=device, cost_model=cost_model)
+    raise ValueError(f"unknown rollout backend {backend!r} (local or ray)")

@@ -1,0 +1,154 @@
+"""The Ray rollout pool on a real local Ray cluster (one per module): the same outputs as the in-process pool,
+versioned weights, history shipped as slices, a killed worker replaced without changing the step's outputs."""
+
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file, save_file
+
+import rhymerl
+from rhymerl.cost_model import CostModel
+from rhymerl.history import HistoryStore
+from rhymerl.model.weights import load_decoder
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
+from rhymerl.rollout.ray_pool import RayPool, static_split, worker_resources
+from tiny_models import random_prompts, tiny_checkpoint
+
+FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
+PARAMS = SamplingParams(temperature=0.3, max_tokens=16, seed=3)
+CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    temp = tmp_path_factory.mktemp("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
+             _temp_dir=str(temp), log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def peaky_dir(tmp_path_factory):
+    """A tiny checkpoint made peaky, so that history drafts get accepted (see tests/histospec)."""
+    path = tmp_path_factory.mktemp("peaky")
+    shutil.copytree(tiny_checkpoint("llama")[0], path, dirs_exist_ok=True)
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] *= 6.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def policy(peaky_dir):
+    return load_decoder(peaky_dir)
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, policy, peaky_dir):
+    """Two workers, shared by the tests of the module (each leaves it usable by the next)."""
+    pool = RayPool(policy, None, peaky_dir, CONFIG, HistoryStore(), num_workers=2, cost_model=FLAT)
+    yield pool
+    pool.close()
+
+
+def local_pool(policy, history=None):
+    return LocalPool(RolloutWorker(policy, None, CONFIG, cost_model=FLAT), HistoryStore() if history is None else history)
+
+
+def groups(prompts, n=2, tag="s0"):
+    return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
+
+
+def tokens(result):
+    return [(o.request_id, o.token_ids) for o in result.outputs]
+
+
+def test_static_split_and_resources():
+    assert static_split(5, 2) == [range(0, 3), range(3, 5)]
+    assert static_split(1, 3) == [range(0, 1), range(1, 1), range(1, 1)]
+    assert worker_resources(2, "cpu", 2.0) == (1.0, 0, 1)
+    assert worker_resources(1, "cpu", 2.0) == (2.0, 0, 2)
+    assert worker_resources(4, "cuda", 2.0) == (0.5, 1, 1)
+
+
+def test_two_workers_give_what_the_local_pool_gives(pool, policy):
+    assert ray.get([a.threads.remote() for a in pool.actors]) == [1, 1]  # 2 cores, 2 workers
+    prompts = random_prompts(5, seed=7)
+    result = pool.rollout(groups(prompts), PARAMS)
+    local = local_pool(policy).rollout(groups(prompts), PARAMS)
+    assert tokens(result) == tokens(local)
+    assert [x for o in result.outputs for x in o.logprobs] == pytest.approx([x for o in local.outputs for x in o.logprobs],
+                                                                            abs=1e-5)
+    assert [(w.worker, w.requests) for w in result.workers] == [(0, 6), (1, 4)]  # 3 groups and 2
+    assert result.engine_totals().generated_tokens == local.engine_totals().generated_tokens
+    assert result.weights_version == pool.weights_version
+
+
+def test_recorded_history_reaches_the_workers_as_slices(pool):
+    prompts = random_prompts(4, seed=8)
+    first = pool.rollout(groups(prompts, tag="e1"), PARAMS)
+    assert sum(w.history_prompts_replaced for w in first.workers) == 0
+    for i, p in enumerate(prompts):
+        pool.record(p, [o.token_ids for o in first.outputs[2 * i : 2 * i + 2]], [1.0, 0.0])
+    second = pool.rollout(groups(prompts, tag="e2"), PARAMS)
+    assert [w.history_prompts_replaced for w in second.workers] == [2, 2]  # each worker its own prompts' slice
+    assert second.spec_totals().accepted_by_source["history"] > 0
+    again = pool.rollout(groups(prompts, tag="e3"), PARAMS)
+    assert sum(w.history_prompts_replaced for w in again.workers) == 0  # nothing changed: nothing replaced
+
+
+def test_weights_are_versioned_and_a_stale_worker_refuses(pool, policy):
+    prompts = random_prompts(3, seed=9)
+    before = pool.rollout(groups(prompts), PARAMS)
+    version = pool.weights_version + 1
+    changed = {name: p.detach() * 0.5 for name, p in policy.named_parameters()}
+    pool.load_weights(changed, version=version)
+    after = pool.rollout(groups(prompts), PARAMS)
+    assert after.weights_version == version and tokens(after) != tokens(before)
+    local = local_pool(policy)
+    local.load_weights(changed, version=version)
+    assert tokens(after) == tokens(local.rollout(groups(prompts), PARAMS))
+    empty = HistoryStore().export([])
+    with pytest.raises(StaleWeightsError, match=f"version {version}"):
+        ray.get(pool.actors[1].rollout.remote(groups(prompts), PARAMS, empty, version + 1))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has used (user + system, from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_worker_killed_mid_step_is_replaced_and_its_requests_run_again(pool):
+    prompts = random_prompts(8, seed=10)
+    params = SamplingParams(temperature=0.3, max_tokens=40, seed=3)
+    undisturbed = pool.rollout(groups(prompts, tag="f"), params)
+    restarts, victim = list(pool.restarts), pool.pids[1]
+    busy_from = cpu_seconds(victim) + 0.05
+    result = {}
+    call = threading.Thread(target=lambda: result.update(r=pool.rollout(groups(prompts, tag="f"), params)))
+    call.start()
+    while cpu_seconds(victim) < busy_from and call.is_alive():  # wait until the worker is rolling out
+        time.sleep(0.002)
+    os.kill(victim, signal.SIGKILL)
+    call.join(timeout=120)
+    assert pool.restarts == [restarts[0], restarts[1] + 1], "the kill did not land inside the call"
+    assert pool.pids[1] != victim
+    assert tokens(result["r"]) == tokens(undisturbed)  # every response once, the same tokens
+
+
+def test_only_the_ray_pool_imports_ray():
+    src = Path(rhymerl.__file__).parent
+    importers = [p.relative_to(src).as_posix() for p in src.rglob("*.py")
+                 if re.search(r"^\s*(import ray|from ray[. ])", p.read_text(), re.MULTILINE)]
+    assert importers == ["rollout/ray_pool.py"]
