@@ -225,8 +225,10 @@ def test_config_choices_equal_what_the_implementations_accept():
     from rhymerl.histospec import budget
     from rhymerl.model import pretrained
     from rhymerl.rl import advantages, losses
+    from rhymerl.rollout import worker
 
     assert set(config.SPECULATIVE_MODES) == set(engine.SPECULATIVE_MODES)
+    assert set(config.ADMISSION_ORDERS) == set(worker.ADMISSION_ORDERS)
     assert set(config.DRAFT_RULES) == set(budget.LENGTH_RULES)
     assert set(config.LOSS_TYPES) == set(losses.LOSS_TYPES)
     assert set(config.SCALE_REWARDS) == set(advantages.SCALE_REWARDS)

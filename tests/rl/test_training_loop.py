@@ -26,6 +26,7 @@ from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model import pretrained
 from rhymerl.engine.backends.cpu_weights import cpu_packing_supported
 from rhymerl.rl.checkpoint import latest_checkpoint
+from rhymerl.histopipe.trace import read_trace
 from rhymerl.process import deterministic_algorithms
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.prompts import batch_indices
@@ -110,6 +111,16 @@ def test_speculation_on_and_off_train_identically(tiny_dir, tmp_path):
     assert any(r.get("actor/trained_seqs", 0) > 0 for r in off)  # the test trains, not just rolls out
     later = [r for r in runs["histospec"] if r["step"] > 2 and "rollout/spec_drafted" in r]
     assert sum(r["rollout/spec_drafted"] for r in later) > 0  # the second epoch drafts from history
+    # The length trace (HistoPipe's simulator replays it): every step's groups with their lengths, the same
+    # with and without speculation; from the second epoch on, the history's predictions are scored.
+    trace = read_trace(tmp_path / "histospec")
+    assert trace == read_trace(tmp_path / "off")
+    assert [row["step"] for row in trace] == [1, 2, 3, 4]
+    assert all(len(row["groups"]) == 2 and all(len(g["lengths"]) == 3 for g in row["groups"]) for row in trace)
+    lengths = {r["step"]: r["response_length/mean"] for r in off if "response_length/mean" in r}
+    assert all(sum(sum(g["lengths"]) for g in row["groups"]) / 6 == pytest.approx(lengths[row["step"]])
+               for row in trace)
+    assert [r.get("histopipe/prompts_with_history", 0) for r in off if r["step"] > 0] == [0, 0, 2, 2]
 
 
 def _train_cmd(*args: str) -> list[str]:
@@ -135,6 +146,7 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
 
     a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]
+    assert read_trace(killed) == read_trace(full)  # every step's lengths once, as uninterrupted
     assert a == b  # bit for bit, although the resumed run measured its own cost model and drafted differently
     # The final checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
     hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(killed), dtype=torch.float32)

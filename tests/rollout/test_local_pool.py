@@ -22,8 +22,8 @@ def policy():
     return model
 
 
-def make_pool(policy, history=None):
-    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+def make_pool(policy, history=None, admission="fifo"):
+    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8, admission=admission)
     return LocalPool(RolloutWorker(policy, None, config, cost_model=FLAT), HistoryStore() if history is None else history)
 
 
@@ -73,3 +73,24 @@ def test_weights_are_versioned_and_a_stale_worker_refuses(policy):
     assert [o.token_ids for o in after.outputs] != [o.token_ids for o in before.outputs]
     with pytest.raises(StaleWeightsError, match="version 1"):
         pool.worker.rollout(groups(prompts), PARAMS, {"format": "rhymerl.history/1", "prompts": []}, weights_version=2)
+
+
+def test_longest_first_admission_changes_the_order_not_the_tokens(policy):
+    """HistoPipe inside one worker: groups enter the queue longest predicted first (from the history), and
+    keyed randomness gives every request the same tokens as in arrival order; outputs come back in the order
+    given."""
+    prompts = random_prompts(4, seed=10)
+    history = HistoryStore()
+    for p, n in zip(prompts, [3, 12, 6, 9]):  # recorded lengths: longest first is groups 1, 3, 2, 0
+        history.record_rollout(p, [[5] * n] * 2)
+    fifo, longest = make_pool(policy, history), make_pool(policy, history, admission="longest_first")
+    admitted = []
+    generate = longest.worker.engine.generate
+    longest.worker.engine.generate = lambda ps, *a, **kw: admitted.extend(kw["request_ids"]) or generate(ps, *a, **kw)
+    a = fifo.rollout(groups(prompts), PARAMS)
+    b = longest.rollout(groups(prompts), PARAMS)
+    assert [o.request_id for o in b.outputs] == [o.request_id for o in a.outputs]
+    assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+    assert [rid.split("-")[1] for rid in admitted[::2]] == ["p1", "p3", "p2", "p0"]
+    with pytest.raises(ValueError, match="admission"):
+        WorkerConfig(admission="shortest")

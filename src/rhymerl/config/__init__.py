@@ -25,6 +25,7 @@ from __future__ import annotations
 from rhymerl.config.help import config_help
 from rhymerl.config.loading import config_from_dict, config_to_dict, load_config, save_config
 from rhymerl.config.sections import (
+    ADMISSION_ORDERS,
     BUILTIN_TASKS,
     DRAFT_RULES,
     DTYPES,
@@ -45,7 +46,7 @@ from rhymerl.config.sections import (
 )
 
 __all__ = [
-    "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "SCALE_REWARDS", "SPECULATIVE_MODES",
+    "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "SCALE_REWARDS", "SPECULATIVE_MODES",
     "ConfigError", "DataSection", "ModelSection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig",
     "TrainSection", "ValSection", "config_from_dict", "config_help", "config_to_dict", "load_config", "save_config",
     "validate",

@@ -31,6 +31,7 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 ROLLOUT_BACKENDS = ("local", "ray")  # rhymerl.rollout.factory.make_pool builds each
+ADMISSION_ORDERS = ("fifo", "longest_first")  # rhymerl.rollout.worker.ADMISSION_ORDERS
 
 
 class ConfigError(ValueError):
@@ -161,6 +162,9 @@ class RolloutSection(_Section):
     num_workers: int = _opt(1, "rollout workers, each an engine with its HistoSpec state (> 1 needs "
                             "backend=ray); the CPU cores are divided among them, on CUDA each takes one GPU",
                             check=">= 1")
+    admission_order: str = _opt("fifo", "order in which a worker's groups enter its slots: fifo = as given; "
+                                "longest_first = longest predicted length first, from the history (HistoPipe "
+                                "inside a worker; the same tokens, other timing)", ADMISSION_ORDERS)
 
     def _rules(self) -> list[tuple]:
         return [("num_generations", self.num_generations >= 2, ">= 2",

@@ -22,7 +22,9 @@ from transformers import AutoTokenizer
 
 from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.cost_model import CostModel
-from rhymerl.history import HistoryStore
+from rhymerl.histopipe.predict import LengthPredictor, rank_report
+from rhymerl.histopipe.trace import TraceWriter
+from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.pretrained import resolve_dtype
@@ -88,7 +90,8 @@ class TrainingRun:
         max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
         worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
                               speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
-                              draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts)
+                              draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts,
+                              admission=cfg.rollout.admission_order)
         self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
                               cost_model=cost_model)
@@ -119,6 +122,7 @@ class TrainingRun:
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                     config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
+        self.trace = TraceWriter(self.run_dir, resume_step=self.start_step if resume_dir else None)
         if ckpt is not None and not any(row["step"] == self.start_step for row in read_metrics(self.run_dir)):
             # Killed after the checkpoint was written but before its step's row was: the checkpoint keeps the
             # row (without timing_s/save and timing_s/step, measured after it), so no step goes missing.
@@ -158,6 +162,21 @@ class TrainingRun:
             m |= {f"{prefix}/spec_accepted_{src}": v for src, v in sp.accepted_by_source.items()}
         return m
 
+    def _length_report(self, prompts: list[Prompt], group_lengths: list[list[int]]) -> dict:
+        """HistoPipe's premise, "lengths rhyme", checked every step: the rank correlation between the lengths
+        the history predicted for this step's prompts (those it has seen) and their groups' mean lengths, and
+        the share of prompts whose rank moved far."""
+        seen = [i for i, p in enumerate(prompts) if p.ids in self.history]
+        if len(seen) < 2:
+            return {}
+        predictor = LengthPredictor.from_history(self.history, [prompts[i].ids for i in seen])
+        predicted = predictor.predict_many([prompts[i].ids for i in seen])
+        report = rank_report(predicted, [sum(group_lengths[i]) / len(group_lengths[i]) for i in seen])
+        out = {"histopipe/prompts_with_history": len(seen), "histopipe/moved_far": report["moved_far"]}
+        if report["rank_corr"] == report["rank_corr"]:  # NaN when every length ties
+            out["histopipe/rank_corr"] = report["rank_corr"]
+        return out
+
     def train_step(self, step: int) -> dict:
         """Run step `step` (0-based) and return its metrics."""
         cfg, r = self.cfg, self.cfg.rollout
@@ -177,6 +196,9 @@ class TrainingRun:
             tqdm.write(f"[reward] step {step}: {msg}", file=sys.stderr)
         rewards = torch.tensor(scored.rewards, dtype=torch.float32)  # [P*G]
         adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
+        group_lengths = [[len(o.token_ids) for o in outs[i * G : (i + 1) * G]] for i in range(len(prompts))]
+        length_report = self._length_report(prompts, group_lengths)  # before the history learns this step
+        self.trace.write(step + 1, [(prompt_key(p.ids), ls) for p, ls in zip(prompts, group_lengths)])
         for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
             group = outs[i * G : (i + 1) * G]
             self.pool.record(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
@@ -208,7 +230,7 @@ class TrainingRun:
             "timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "timing_s/update": t3 - t2,
             "timing_s/sync": t4 - t3,
         }
-        metrics |= self._rollout_metrics("rollout", result)
+        metrics |= self._rollout_metrics("rollout", result) | length_report
         return metrics
 
     def validate(self, step: int) -> dict:

@@ -14,6 +14,8 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
+from rhymerl.histopipe.plan import admission_order
+from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histospec.speculator import SpecStats
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
@@ -32,6 +34,17 @@ class WorkerConfig:
     max_draft_tokens: int = 32
     draft_rule: str = "cost"
     history_rollouts: int = 4  # the history replica's budget, as the truth's
+    # "fifo": groups enter free slots in the order given; "longest_first": longest predicted first (HistoPipe
+    # inside one worker, from the replica's history), so that the longest requests do not start last. Keyed
+    # randomness makes the tokens the same either way: only the timing changes.
+    admission: str = "fifo"
+
+    def __post_init__(self):
+        if self.admission not in ADMISSION_ORDERS:
+            raise ValueError(f"admission must be one of {ADMISSION_ORDERS}, got {self.admission!r}")
+
+
+ADMISSION_ORDERS = ("fifo", "longest_first")
 
 
 class RolloutWorker:
@@ -49,6 +62,14 @@ class RolloutWorker:
                              max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
                              cost_model=cost_model)
         self.weights_version = 0
+
+    def admission_order(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
+        """The order the groups enter the engine's queue (`WorkerConfig.admission`); a group stays together,
+        so that its siblings share their prompt's prefill."""
+        if self.config.admission == "fifo":
+            return list(groups)
+        predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups])
+        return admission_order(list(groups), predictor.predict_many([g.prompt_ids for g in groups]))
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
@@ -70,9 +91,11 @@ class RolloutWorker:
         self.engine.stats = EngineStats()
         if self.engine.speculator is not None:
             self.engine.speculator.stats = SpecStats()
-        prompts = [g.prompt_ids for g in groups for _ in g.request_ids]
-        ids = [rid for g in groups for rid in g.request_ids]
-        outputs = self.engine.generate(prompts, params, request_ids=ids)
+        order = self.admission_order(groups)
+        prompts = [g.prompt_ids for g in order for _ in g.request_ids]
+        ids = [rid for g in order for rid in g.request_ids]
+        by_id = {o.request_id: o for o in self.engine.generate(prompts, params, request_ids=ids)}
+        outputs = [by_id[rid] for g in groups for rid in g.request_ids]  # back in the order given
         stats.requests = len(ids)
         stats.engine = self.engine.stats
         stats.spec = self.engine.speculator.stats if self.engine.speculator is not None else None
