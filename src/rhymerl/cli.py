@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rhymerl import report
-from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, spec_bench
+from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spec_bench
 from rhymerl.config import DRAFT_RULES, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
@@ -105,6 +105,18 @@ def cmd_bench_spec(args) -> int:
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
                              args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds, args.device)
     spec_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_bench_pipe(args) -> int:
+    if args.cost_from == "measure" or args.real:
+        setup(args)
+    summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device,
+                             [int(w) for w in args.workers.split(",")], args.slots, args.real, args.repeats,
+                             args.real_prompts, args.num_generations, args.real_slots, args.max_tokens,
+                             args.temperature, args.seed)
+    pipe_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
 
@@ -216,6 +228,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft from a training run's saved history (and use its policy and prompts)")
     bs.add_argument("--device", default=None, help=DEVICE_HELP)
     bs.set_defaults(func=cmd_bench_spec)
+    bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, and one real worker's "
+                                      "longest-first vs FIFO admission", formatter_class=_DefaultsHelp)
+    bp.add_argument("--trace", default=None, metavar="PATH",
+                    help="a run directory or its lengths.jsonl (default: the trace shipped with the package, "
+                         "rhymerl/histopipe/traces/default.jsonl)")
+    bp.add_argument("--cost-from", default="measure", metavar="measure|FILE.json",
+                    help="the simulation's cost model: measured on --model at start-up, or a CostModel.as_dict() JSON")
+    bp.add_argument("--workers", default="8,64,1024", help="comma-separated simulated worker counts")
+    bp.add_argument("--slots", type=int, default=32, help="slots per simulated worker (and of the measured cost model)")
+    bp.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bp.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: the cost model's and the real runs'")
+    bp.add_argument("--device", default=None, help=DEVICE_HELP)
+    bp.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time one real worker, FIFO vs longest-first admission (--no-real: simulation only)")
+    bp.add_argument("--repeats", type=int, default=3, help="real runs of each admission order, alternating; the median counts")
+    bp.add_argument("--real-prompts", type=int, default=16, help="built-in arithmetic prompts of the real runs")
+    bp.add_argument("--num-generations", type=int, default=4, help="responses per prompt in the real runs")
+    bp.add_argument("--real-slots", type=int, default=16, help="the real worker's slots (fewer than its requests, "
+                                                               "so that admission order matters)")
+    bp.add_argument("--max-tokens", type=int, default=128, help="max_completion_length of the real runs")
+    bp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the real runs")
+    bp.add_argument("--seed", type=int, default=0,
+                    help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
+                         "seed + 1000, the timed epoch with seed + 2000)")
+    bp.set_defaults(func=cmd_bench_pipe)
     bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
                          formatter_class=_DefaultsHelp)
     bm.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)

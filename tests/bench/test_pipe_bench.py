@@ -1,0 +1,113 @@
+"""`rhymerl bench pipe`: the simulation on a small hand-made trace and a hand-written cost model (the JSON's
+shape, oracle <= histopipe, the lower bound below every makespan, through the CLI too), and the real
+FIFO vs longest-first runs on a tiny random model (same tokens either way)."""
+
+import json
+import random
+
+import pytest
+
+from rhymerl.bench import pipe_bench
+from rhymerl.cli import main
+from rhymerl.cost_model import CostModel
+from rhymerl.histopipe.plan import POLICIES
+from tiny_models import random_prompts, tiny_checkpoint
+
+# A step of n sequences costs a little more than one of 1: batching pays, as on a real machine.
+COST = CostModel([1, 4, 16], [1, 2, 4, 8], [[0.010, 0.011, 0.012, 0.014], [0.012, 0.014, 0.017, 0.022],
+                                            [0.020, 0.028, 0.040, 0.064]])
+
+
+def write_trace(path, steps=4, prompts=12, group=4, seed=0):
+    """Each prompt has a typical length of its own (lengths rhyme across steps), its group spread around it."""
+    rng = random.Random(seed)
+    typical = {f"p{i}": rng.choice([8, 16, 40, 120, 300]) for i in range(prompts)}
+    with open(path, "w") as f:
+        for step in range(steps):
+            groups = [{"prompt": k, "lengths": [max(1, int(t * rng.uniform(0.6, 1.3))) for _ in range(group)]}
+                      for k, t in typical.items()]
+            f.write(json.dumps({"step": step, "groups": groups}) + "\n")
+        f.write('{"step": 99, "gro')  # a torn last line is skipped
+    return path
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return write_trace(tmp_path / "lengths.jsonl")
+
+
+@pytest.fixture
+def cost_file(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(COST.as_dict()))
+    return path
+
+
+def check_sim(sim, workers):
+    assert set(sim) == {str(w) for w in workers}
+    for w in workers:
+        row = sim[str(w)]
+        assert row["requests"] >= w * 4  # as many requests as the workers' slots hold
+        for policy in POLICIES:
+            r = row[policy]
+            for key in ("makespan_s", "lower_bound_s", "makespan_over_lb", "bubble", "finish_gap_s",
+                        "speedup_vs_static"):
+                assert isinstance(r[key], float), (policy, key)
+            assert r["lower_bound_s"] <= r["makespan_s"] * (1 + 1e-9)
+            assert r["makespan_over_lb"] >= 1 - 1e-9 and 0 <= r["bubble"] < 1
+        assert row["oracle"]["makespan_s"] <= row["histopipe"]["makespan_s"] * (1 + 1e-9)
+        assert 0 < row["histopipe"]["share_of_oracle"] <= 1 + 1e-9
+        assert row["static"]["speedup_vs_static"] == 1.0
+
+
+def test_draws_start_where_history_exists_and_predict_from_earlier_steps(trace):
+    steps = pipe_bench.read_trace(trace)
+    draws, first = pipe_bench.trace_draws(steps)
+    assert first == 1 and len(draws) == 3 * 12 and all(known for *_, known in draws)
+    # step 1's prediction of p0 comes from step 0's lengths only (the default 0.75 quantile)
+    step0 = next(g["lengths"] for g in steps[0]["groups"] if g["prompt"] == "p0")
+    assert draws[0][0] == "p0" and draws[0][2] == pytest.approx(pipe_bench.summarise(step0, 0.75))
+    lengths, predicted, _ = pipe_bench.draw_step(draws, 200, seed=None)  # cycles past the trace's 144 requests
+    assert sum(map(len, lengths)) >= 200 and len(lengths) == len(predicted) == 50
+    assert lengths[36] == draws[0][1] and predicted[36] == draws[0][2]
+    shuffled = pipe_bench.draw_step(draws, 200, seed=3)
+    assert shuffled[0] != lengths  # a random arrival order, the same groups with their own predictions
+    assert sorted(zip(map(tuple, shuffled[0]), shuffled[1])) == sorted(zip(map(tuple, lengths), predicted))
+
+
+def test_simulation_shape_and_bounds(trace):
+    sim = pipe_bench.simulate_trace(trace, COST, workers=(2, 8), slots=4)
+    assert sim["draws_from_step"] == 1 and sim["groups_with_history"] == 36 and sim["rank_corr"] > 0.5
+    check_sim(sim["workers"], (2, 8))
+
+
+def test_cli_sim_only_prints_a_table_then_one_json_line(trace, cost_file, capsys):
+    rc = main(["bench", "pipe", "--trace", str(trace.parent), "--cost-from", str(cost_file), "--workers", "2,8",
+               "--slots", "4", "--no-real"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "HistoPipe simulation" in out and "[bench pipe]" in err
+    check_sim(summary["sim"], (2, 8))
+    assert summary["trace"] == str(trace.parent) and "real" not in summary
+    assert CostModel.from_dict(summary["cost_model"]).as_dict() == COST.as_dict()
+
+
+def test_cli_missing_trace_is_one_error_line(tmp_path, cost_file, capsys):
+    rc = main(["bench", "pipe", "--trace", str(tmp_path / "nope.jsonl"), "--cost-from", str(cost_file),
+               "--no-real"])
+    assert rc == 2 and "nope.jsonl" in capsys.readouterr().err
+
+
+def test_default_trace_is_shipped_with_the_package():
+    assert pipe_bench.DEFAULT_TRACE.parts[-3:] == ("histopipe", "traces", "default.jsonl")
+
+
+def test_real_runs_fifo_vs_longest_first_give_the_same_tokens():
+    model_dir, _ = tiny_checkpoint("llama")
+    real = pipe_bench.run_real(model_dir, random_prompts(4, seed=5), num_generations=2, slots=2, max_tokens=12,
+                               repeats=2, dtype="fp32", device="cpu", speculative="histospec", cost_model=COST)
+    assert real["identical"] is True
+    for mode in ("fifo", "longest_first"):
+        assert real[mode]["median_s"] > 0 and len(real[mode]["runs_s"]) == 2
+    assert real["prompts"] == 4 and real["tokens"] > 0 and real["speedup"] > 0
