@@ -23,6 +23,7 @@ from tiny_models import random_prompts, tiny_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PARAMS = SamplingParams(temperature=0.3, max_tokens=16, seed=3)
+LONG = SamplingParams(temperature=0.3, max_tokens=40, seed=3)  # long enough to be killed in the middle
 CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
 
 
@@ -61,7 +62,8 @@ def pool(cluster, policy, peaky_dir):
 
 
 def local_pool(policy, history=None):
-    return LocalPool(RolloutWorker(policy, None, CONFIG, cost_model=FLAT), HistoryStore() if history is None else history)
+    return LocalPool(RolloutWorker(policy, None, CONFIG, cost_model=FLAT),
+                     HistoryStore() if history is None else history)
 
 
 def groups(prompts, n=2, tag="s0"):
@@ -81,13 +83,13 @@ def test_static_split_and_resources():
 
 
 def test_two_workers_give_what_the_local_pool_gives(pool, policy):
-    assert ray.get([a.threads.remote() for a in pool.actors]) == [1, 1]  # 2 cores, 2 workers
+    assert ray.get([a.threads.remote() for a in pool.actors.values()]) == [1, 1]  # 2 cores, 2 workers
     prompts = random_prompts(5, seed=7)
     result = pool.rollout(groups(prompts), PARAMS)
     local = local_pool(policy).rollout(groups(prompts), PARAMS)
     assert tokens(result) == tokens(local)
-    assert [x for o in result.outputs for x in o.logprobs] == pytest.approx([x for o in local.outputs for x in o.logprobs],
-                                                                            abs=1e-5)
+    logprobs = [x for o in local.outputs for x in o.logprobs]
+    assert [x for o in result.outputs for x in o.logprobs] == pytest.approx(logprobs, abs=1e-5)
     assert [(w.worker, w.requests) for w in result.workers] == [(0, 6), (1, 4)]  # 3 groups and 2
     assert result.engine_totals().generated_tokens == local.engine_totals().generated_tokens
     assert result.weights_version == pool.weights_version
@@ -131,12 +133,11 @@ def cpu_seconds(pid: int) -> float:
 
 def test_a_worker_killed_mid_step_is_replaced_and_its_requests_run_again(pool):
     prompts = random_prompts(8, seed=10)
-    params = SamplingParams(temperature=0.3, max_tokens=40, seed=3)
-    undisturbed = pool.rollout(groups(prompts, tag="f"), params)
+    undisturbed = pool.rollout(groups(prompts, tag="f"), LONG)
     restarts, victim = list(pool.restarts), pool.pids[1]
     busy_from = cpu_seconds(victim) + 0.05
     result = {}
-    call = threading.Thread(target=lambda: result.update(r=pool.rollout(groups(prompts, tag="f"), params)))
+    call = threading.Thread(target=lambda: result.update(r=pool.rollout(groups(prompts, tag="f"), LONG)))
     call.start()
     while cpu_seconds(victim) < busy_from and call.is_alive():  # wait until the worker is rolling out
         time.sleep(0.002)
@@ -152,3 +153,26 @@ def test_only_the_ray_pool_imports_ray():
     importers = [p.relative_to(src).as_posix() for p in src.rglob("*.py")
                  if re.search(r"^\s*(import ray|from ray[. ])", p.read_text(), re.MULTILINE)]
     assert importers == ["rollout/ray_pool.py"]
+
+
+def test_a_hung_worker_times_out_and_one_failing_too_often_is_dropped(pool, policy):
+    """The module's last test on the pool (it leaves one worker): a second pool would not fit the 2 CPUs."""
+    pool.timeout_s, pool.max_restarts = 3.0, pool.restarts[1] + 1  # worker 1 may be restarted once more
+    prompts = random_prompts(6, seed=11)
+    quarter = {name: p.detach() * 0.25 for name, p in policy.named_parameters()}
+    pool.load_weights(quarter, pool.weights_version + 1)
+    local = local_pool(policy)
+    local.load_weights(quarter, pool.weights_version)
+    expected = tokens(local.rollout(groups(prompts), LONG))
+    restarts = list(pool.restarts)
+    os.kill(pool.pids[1], signal.SIGSTOP)  # alive but not answering
+    hung = pool.rollout(groups(prompts), LONG)
+    assert pool.restarts == [restarts[0], restarts[1] + 1] and tokens(hung) == expected
+    os.kill(pool.pids[1], signal.SIGKILL)  # a failure past max_restarts: dropped
+    dropped = pool.rollout(groups(prompts), LONG)
+    assert pool.workers == [0] and tokens(dropped) == expected
+    assert [w.worker for w in dropped.workers] == [0, 0]  # its own share, then worker 1's
+    pool.max_restarts = pool.restarts[0]
+    os.kill(pool.pids[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="no rollout worker is left"):
+        pool.rollout(groups(prompts), LONG)

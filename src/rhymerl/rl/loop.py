@@ -94,7 +94,8 @@ class TrainingRun:
                               admission=cfg.rollout.admission_order)
         self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
-                              cost_model=cost_model)
+                              cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
+                              worker_timeout_s=cfg.rollout.worker_timeout_s)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 

@@ -16,7 +16,9 @@ of its own. The only module of rhymerl that imports ray.
   truth only. No reference is shared across processes.
 - **Faults**: a worker whose actor dies (killed, out of memory) or does not answer within `timeout_s` is
   replaced by a fresh actor on the current weights, and its groups of the call run again there: keyed
-  randomness makes them the same tokens. After `max_restarts` replacements of one worker the call fails.
+  randomness makes them the same tokens, so the call returns every response once, as undisturbed. A
+  worker that fails more than `max_restarts` times is dropped and its groups go to the others; the call
+  fails only when no worker is left.
 - **Split**: `static_split` (equal contiguous shares, in order); HistoPipe's length-aware schedule plugs in
   there.
 """
@@ -109,7 +111,7 @@ class RayPool:
     """`RolloutPool` over `num_workers` Ray actors (see the module doc). `policy`: the model whose weights the
     workers start from (version 0), `model_dir` its architecture; `timeout_s`: how long a worker's share of a
     call may take before the worker counts as dead (None: no limit); `max_restarts`: replacements of one
-    worker before a call fails. Call `connect` first."""
+    worker, after which it is dropped and the others take its groups. Call `connect` first."""
 
     def __init__(self, policy: Decoder, tokenizer, model_dir: str | os.PathLike, config: WorkerConfig,
                  history: HistoryStore, num_workers: int, seed: int = 0, device: str = "cpu",
@@ -118,7 +120,7 @@ class RayPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.history = history
         self.config = config
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or None
         self.max_restarts = max_restarts
         self.weights_version = 0
         self.restarts = [0] * num_workers  # replacements of each worker so far
@@ -128,12 +130,13 @@ class RayPool:
         self._new_actor = WorkerActor.options(num_cpus=cpus, num_gpus=gpus).remote
         self._args = (str(model_dir), ray.put(tokenizer), config, seed, device, self.threads)
         self._cost_model = cost_model
-        self.actors = [self._spawn(w) for w in range(num_workers)]
-        self.pids = ray.get([a.pid.remote() for a in self.actors])  # built (and their cost models measured)
+        self.actors = {w: self._spawn(w) for w in range(num_workers)}  # the live workers, by id
+        self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))  # built
 
     @property
-    def num_workers(self) -> int:
-        return len(self.actors)
+    def workers(self) -> list[int]:
+        """The ids of the live workers (a dropped worker's id is not reused)."""
+        return list(self.actors)
 
     def _put(self, params: dict[str, torch.Tensor]) -> ray.ObjectRef:
         """The weights in the object store, once, on the CPU in the workers' dtype."""
@@ -144,58 +147,82 @@ class RayPool:
         return self._new_actor(model_dir, tokenizer, config, worker, seed, device, threads, self._weights,
                                self.weights_version, self._cost_model)
 
-    def _replace(self, worker: int, why: str) -> None:
-        """A fresh actor for `worker` on the current weights (its history replica refills from the next
-        slice it is sent), or RuntimeError past `max_restarts`."""
-        if self.restarts[worker] >= self.max_restarts:
-            raise RuntimeError(f"rollout worker {worker} failed ({why}) after {self.max_restarts} restarts "
-                               f"(rollout.max_worker_restarts); giving up")
-        self.restarts[worker] += 1
-        print(f"[rollout] worker {worker} {why}: restarting it ({self.restarts[worker]}/{self.max_restarts}) "
-              f"and running its requests again", file=sys.stderr)
+    def _recover(self, worker: int, why: str) -> bool:
+        """After `worker` failed: a fresh actor for it on the current weights (its history replica refills from
+        the next slice it is sent; True), or, past `max_restarts`, drop it (False). RuntimeError when no
+        worker is left."""
         ray.kill(self.actors[worker], no_restart=True)
-        self.actors[worker] = self._spawn(worker)
-        self.pids[worker] = ray.get(self.actors[worker].pid.remote())
+        if self.restarts[worker] < self.max_restarts:
+            self.restarts[worker] += 1
+            print(f"[rollout] worker {worker} {why}: restarting it ({self.restarts[worker]}/{self.max_restarts}, "
+                  f"rollout.max_worker_restarts) and running its requests again", file=sys.stderr)
+            self.actors[worker] = self._spawn(worker)
+            self.pids[worker] = ray.get(self.actors[worker].pid.remote())
+            return True
+        del self.actors[worker], self.pids[worker]
+        if not self.actors:
+            raise RuntimeError(f"rollout worker {worker} {why} after {self.max_restarts} restarts "
+                               f"(rollout.max_worker_restarts) and no rollout worker is left")
+        print(f"[rollout] worker {worker} {why} after {self.max_restarts} restarts (rollout.max_worker_restarts): "
+              f"dropped; {len(self.actors)} workers go on", file=sys.stderr)
+        return False
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams) -> RolloutResult:
         groups = list(groups)
-        shares = [[groups[i] for i in share] for share in static_split(len(groups), self.num_workers)]
+        live = self.workers
+        shares = [[groups[i] for i in share] for share in static_split(len(groups), len(live))]
         slices = [self.history.export(g.prompt_ids for g in share) for share in shares]
+        pending: dict[int, tuple[int, ray.ObjectRef, float]] = {}  # share -> (worker, reply, deadline)
 
-        def send(w: int):
-            return self.actors[w].rollout.remote(shares[w], params, slices[w], self.weights_version)
+        def send(k: int, w: int) -> None:  # a share queued behind another of the same worker waits for it
+            ref = self.actors[w].rollout.remote(shares[k], params, slices[k], self.weights_version)
+            after = max([time.monotonic()] + [d for v, _, d in pending.values() if v == w])
+            pending[k] = (w, ref, after + self.timeout_s if self.timeout_s else math.inf)
 
-        pending = {w: send(w) for w in range(self.num_workers) if shares[w]}
+        def least_busy() -> int:
+            return min(self.actors, key=lambda w: sum(v == w for v, _, _ in pending.values()))
+
+        def failed(w: int, why: str) -> None:  # w's shares run again: on w restarted, or on the least busy
+            moved = [k for k, (v, _, _) in pending.items() if v == w]
+            for k in moved:
+                del pending[k]
+            restarted = self._recover(w, why)
+            for k in moved:
+                send(k, w if restarted else least_busy())
+
+        for k, w in enumerate(live):
+            if shares[k]:
+                send(k, w)
         done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
-        deadline = {w: time.monotonic() + self.timeout_s for w in pending} if self.timeout_s else {}
         while pending:
-            ready, _ = ray.wait(list(pending.values()), num_returns=1,
-                                timeout=None if not deadline else max(0.0, min(deadline.values()) - time.monotonic()))
-            for w in [w for w, ref in pending.items() if ref in ready]:
+            first = min(d for _, _, d in pending.values())
+            ready, _ = ray.wait([ref for _, ref, _ in pending.values()], num_returns=1,
+                                timeout=None if first == math.inf else max(0.0, first - time.monotonic()))
+            for ref in ready:
+                k = next((k for k, (_, r, _) in pending.items() if r == ref), None)
+                if k is None:  # sent again meanwhile
+                    continue
                 try:
-                    done[w] = ray.get(pending.pop(w))
+                    done[k] = ray.get(ref)
+                    del pending[k]
                 except RayActorError as e:
-                    self._replace(w, f"died ({type(e).__name__})")
-                    pending[w] = send(w)
-                    if self.timeout_s:
-                        deadline[w] = time.monotonic() + self.timeout_s
-            now = time.monotonic()
-            for w in [w for w in pending if deadline and deadline[w] <= now]:
-                self._replace(w, f"did not answer within {self.timeout_s:g}s")
-                pending[w] = send(w)
-                deadline[w] = time.monotonic() + self.timeout_s
-        outputs = [o for w in range(self.num_workers) if w in done for o in done[w][0]]
-        stats = [done[w][1] if w in done else WorkerStats(w) for w in range(self.num_workers)]
+                    failed(pending[k][0], f"died ({type(e).__name__})")
+            late = {w for w, _, d in pending.values() if d <= time.monotonic()}
+            for w in sorted(late):
+                failed(w, f"did not answer within {self.timeout_s:g}s")
+        outputs = [o for k in sorted(done) for o in done[k][0]]
+        ran = {stats.worker for _, stats in done.values()}
+        stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them
-        refs = [a.load_weights.remote(self._weights, version) for a in self.actors]
-        for w, ref in enumerate(refs):
+        refs = {w: a.load_weights.remote(self._weights, version) for w, a in self.actors.items()}
+        for w, ref in refs.items():
             try:
                 ray.get(ref, timeout=self.timeout_s)
             except (RayActorError, GetTimeoutError) as e:  # a fresh actor starts on these weights
-                self._replace(w, f"failed to load weights version {version} ({type(e).__name__})")
+                self._recover(w, f"failed to load weights version {version} ({type(e).__name__})")
 
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
@@ -203,6 +230,6 @@ class RayPool:
 
     def close(self) -> None:
         """End the workers' actors (the cluster itself ends with the process that started it)."""
-        for a in self.actors:
+        for a in self.actors.values():
             ray.kill(a, no_restart=True)
-        self.actors = []
+        self.actors = {}
