@@ -29,8 +29,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Sequence
 
+import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -78,19 +80,27 @@ def worker_resources(num_workers: int, device: str, cluster_cpus: float) -> tupl
     return cpus, int(torch.device(device).type == "cuda"), max(1, math.floor(share))
 
 
+def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors over the arrays `RayPool._put` stored (read-only views of the object store, no copy: the
+    worker copies them into its model)."""
+    with warnings.catch_warnings():  # torch warns that the arrays are not writable: they are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return {name: torch.from_numpy(a).view(dtype) for name, a in weights.items()}
+
+
 @ray.remote
 class WorkerActor:
     """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
     architecture with the weights it is sent."""
 
     def __init__(self, model_dir: str, tokenizer, config: WorkerConfig, worker_id: int, seed: int, device: str,
-                 threads: int, weights: dict[str, torch.Tensor], version: int, cost_model: CostModel | None):
+                 threads: int, weights: dict[str, np.ndarray], version: int, cost_model: CostModel | None):
         setup_process(seed, device)
         torch.set_num_threads(threads)
         # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
         self.worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
                                     cost_model=cost_model)
-        self.worker.load_weights(weights, version)
+        self.worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
 
     def pid(self) -> int:
         return os.getpid()
@@ -98,8 +108,8 @@ class WorkerActor:
     def threads(self) -> int:
         return torch.get_num_threads()
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        self.worker.load_weights(weights, version)
+    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> int:
+        self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
         return version
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
@@ -139,8 +149,14 @@ class RayPool:
         return list(self.actors)
 
     def _put(self, params: dict[str, torch.Tensor]) -> ray.ObjectRef:
-        """The weights in the object store, once, on the CPU in the workers' dtype."""
-        return ray.put({name: p.detach().to("cpu", self._dtype) for name, p in params.items()})
+        """The weights in the object store, once, on the CPU in the workers' dtype, as numpy arrays (bf16 as
+        int16): Ray stores numpy arrays without pickling them and a worker reads them in place (`_from_store`),
+        where torch tensors are pickled and copied at both ends."""
+        out = {}
+        for name, p in params.items():
+            t = p.detach().to("cpu", self._dtype).contiguous()
+            out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        return ray.put(out)
 
     def _spawn(self, worker: int):
         model_dir, tokenizer, config, seed, device, threads = self._args
