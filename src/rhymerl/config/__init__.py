@@ -31,11 +31,13 @@ from rhymerl.config.sections import (
     DTYPES,
     LOSS_TYPES,
     LR_SCHEDULERS,
+    ROLLOUT_BACKENDS,
     SCALE_REWARDS,
     SPECULATIVE_MODES,
     ConfigError,
     DataSection,
     ModelSection,
+    RaySection,
     RewardSection,
     RolloutSection,
     RunSection,
@@ -46,8 +48,8 @@ from rhymerl.config.sections import (
 )
 
 __all__ = [
-    "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "SCALE_REWARDS", "SPECULATIVE_MODES",
-    "ConfigError", "DataSection", "ModelSection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig",
-    "TrainSection", "ValSection", "config_from_dict", "config_help", "config_to_dict", "load_config", "save_config",
-    "validate",
+    "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "ROLLOUT_BACKENDS",
+    "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError", "DataSection", "ModelSection", "RaySection",
+    "RewardSection", "RolloutSection", "RunSection", "TrainConfig", "TrainSection", "ValSection", "config_from_dict",
+    "config_help", "config_to_dict", "load_config", "save_config", "validate",
 ]
