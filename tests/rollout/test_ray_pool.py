@@ -29,11 +29,16 @@ CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tok
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """One real local cluster for the module, everything it writes under the test's temp folder: its session
+    folder (`_temp_dir`), and no token file (Ray 2.60 otherwise writes ~/.ray/auth_token when it starts a
+    cluster: ray/_private/authentication/authentication_token_setup.py, enable_token_auth_by_default)."""
     temp = tmp_path_factory.mktemp("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-             _temp_dir=str(temp), log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
+                 _temp_dir=str(temp), log_to_driver=False)
+        yield
+        ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -16,9 +16,10 @@ from typing import Any
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
-    "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS", "ROLLOUT_BACKENDS", "SCALE_REWARDS",
-    "SPECULATIVE_MODES", "ConfigError", "DataSection", "ModelSection", "RaySection", "RewardSection", "RolloutSection",
-    "RunSection", "TrainConfig", "TrainSection", "ValSection", "validate",
+    "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS",
+    "ROLLOUT_BACKENDS", "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError", "DataSection", "ModelSection",
+    "RaySection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig", "TrainSection", "ValSection",
+    "validate",
 ]
 
 # Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so

@@ -164,13 +164,15 @@ class TrainingRun:
         return m
 
     def _length_report(self, prompts: list[Prompt], group_lengths: list[list[int]]) -> dict:
-        """HistoPipe's premise, "lengths rhyme", checked every step: the rank correlation between the lengths
-        the history predicted for this step's prompts (those it has seen) and their groups' mean lengths, and
-        the share of prompts whose rank moved far."""
+        """HistoPipe's premise, "lengths rhyme", checked every step: the rank correlation between the mean
+        length of each prompt's previous group (for this step's prompts that have one) and of its group now,
+        and the share of prompts whose rank moved far. The previous rollout alone: in the default job the
+        first epochs' responses hit the length cap, and a statistic over older rollouts tied every prompt."""
         seen = [i for i, p in enumerate(prompts) if p.ids in self.history]
         if len(seen) < 2:
             return {}
-        predictor = LengthPredictor.from_history(self.history, [prompts[i].ids for i in seen])
+        predictor = LengthPredictor.from_history(self.history, [prompts[i].ids for i in seen], statistic="mean",
+                                                 max_rollouts=1)
         predicted = predictor.predict_many([prompts[i].ids for i in seen])
         report = rank_report(predicted, [sum(group_lengths[i]) / len(group_lengths[i]) for i in seen])
         out = {"histopipe/prompts_with_history": len(seen), "histopipe/moved_far": report["moved_far"]}
