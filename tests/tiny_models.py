@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 
 import torch
@@ -36,6 +38,7 @@ def tiny_checkpoint(arch: str = "llama") -> tuple[str, torch.nn.Module]:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     path = tempfile.mkdtemp(prefix=f"rhymerl-tiny-{arch}-")
+    atexit.register(shutil.rmtree, path, True)  # cached for the whole test session, removed when it ends
     model.save_pretrained(path)
     return path, model
 
