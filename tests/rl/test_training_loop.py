@@ -141,8 +141,18 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert latest_checkpoint(killed) is not None
-    subprocess.run(_train_cmd("--resume", str(killed)), check=True, env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL  # killed, not finished (nor failed) before the signal
+    ckpt = latest_checkpoint(killed)
+    assert ckpt is not None
+    ckpt_step = int(ckpt.name.split("_")[1])
+    assert 0 < ckpt_step < 5  # mid-run: the resume has steps left to do, and a checkpoint to start from
+    before = [r for r in read_metrics(killed) if r["step"] <= ckpt_step]  # timings included: not rewritten
+    # (the checkpoint's own row may be missing: killed between the two, the resume writes it from the checkpoint)
+    assert [r["step"] for r in before] in (list(range(ckpt_step + 1)), list(range(ckpt_step)))
+    done = subprocess.run(_train_cmd("--resume", str(killed)), check=True, env=env, capture_output=True, text=True)
+    # It started from that checkpoint: not from scratch, not after the end.
+    assert f"[train] resumed from {ckpt} at step {ckpt_step} of 5" in done.stderr
+    assert read_metrics(killed)[:len(before)] == before  # the rows up to the checkpoint are the killed run's
 
     a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]

@@ -120,6 +120,7 @@ class TrainingRun:
             self.start_step = state["step"]
             self.reward_errors = state.get("reward_errors", 0)
             self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
+            print(f"[train] resumed from {ckpt} at step {self.start_step} of {cfg.train.total_steps}", file=sys.stderr)
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                     config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
