@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -181,6 +182,114 @@ def test_lr_schedule():
         lr_multiplier(5, 0, 10, "exp")
 
 
+def _lr_case(kind, iterations, warmup):
+    """The LR of every optimizer step of a run of 4 rollout steps, and `actor/lr` after each rollout step."""
+    model = tiny_decoder().train()
+    cfg = TrainSection(dtype="fp32", learning_rate=1e-2, total_steps=4, num_iterations=iterations,
+                       warmup_steps=warmup, lr_scheduler=kind, micro_batch_size=6)
+    trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
+    used = []  # the LR each optimizer step ran with
+    trainer.optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    after = [trainer.update(_samples(step, n=3))["actor/lr"] for step in range(4)]
+    return used, after
+
+
+_COS = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)]  # cosine over 8 optimizer steps
+
+
+@pytest.mark.parametrize("kind,iterations,warmup,used,after", [
+    # one optimizer step per rollout step: the schedule spans the 4 steps
+    ("linear", 1, 0, [1.0, 0.75, 0.5, 0.25], [0.75, 0.5, 0.25, 0.0]),
+    ("cosine", 1, 0, [_COS[0], _COS[2], _COS[4], _COS[6]], [_COS[2], _COS[4], _COS[6], _COS[8]]),
+    # num_iterations=2: 8 optimizer steps, the LR moves at each of them (the old code reached 0 after step 2)
+    ("linear", 2, 0, [1 - k / 8 for k in range(8)], [0.75, 0.5, 0.25, 0.0]),
+    ("cosine", 2, 0, _COS[:8], [_COS[2], _COS[4], _COS[6], _COS[8]]),
+    # warm-up counts optimizer steps (TRL's): 2 of them = the first rollout step, then decay over the other 6
+    ("linear", 2, 2, [1 / 3, 2 / 3] + [1 - k / 6 for k in range(6)], [1.0, 4 / 6, 2 / 6, 0.0]),
+])
+def test_lr_schedule_advances_per_optimizer_step_over_total_steps_x_num_iterations(kind, iterations, warmup,
+                                                                                    used, after):
+    got_used, got_after = _lr_case(kind, iterations, warmup)
+    assert got_used == pytest.approx([1e-2 * f for f in used], abs=1e-12)
+    assert got_after == pytest.approx([1e-2 * f for f in after], abs=1e-12)
+
+
+def _plain_logps(model, samples, temperature):
+    """Log-probs, mask and entropy [B, T] the textbook way: right-padded batch, all logits, gather."""
+    B, T = len(samples), max(len(s.completion_ids) for s in samples)
+    S = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    ids, attn = torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
+    logp, mask, ent = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T)
+    with torch.no_grad():
+        for b, s in enumerate(samples):
+            full = s.prompt_ids + s.completion_ids
+            ids[b, : len(full)], attn[b, : len(full)] = torch.tensor(full), 1
+        logits = model(ids, attn).float() / temperature  # [B, S, V]
+        for b, s in enumerate(samples):
+            P, k = len(s.prompt_ids), len(s.completion_ids)
+            rows = logits[b, P - 1 : P - 1 + k]  # [k, V]: position P-1+t predicts completion token t
+            logp[b, :k] = torch.log_softmax(rows, -1).gather(1, torch.tensor(s.completion_ids)[:, None]).squeeze(1)
+            ent[b, :k] = entropy_from_logits(rows[None])[0]
+            mask[b, :k] = 1
+    return logp, mask, ent
+
+
+def test_metrics_average_over_every_iteration_and_every_completion_token():
+    """num_iterations=2 with the trainer's own old log-probs: iteration 0 is on-policy (ratio 1, nothing
+    clipped), iteration 1 clips. The metrics are means over both iterations and every completion token,
+    recomputed here by a plain loop from the weights each optimizer step ran with."""
+    eps, eps_high = 0.2, 0.28
+    model = tiny_decoder().train()
+    samples = _samples(7, n=6, group=3)
+    cfg = TrainSection(dtype="fp32", micro_batch_size=4, num_iterations=2, learning_rate=0.05, max_grad_norm=0.0,
+                       epsilon=eps, epsilon_high=eps_high, loss_type="dapo")
+    trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
+    states = []  # the weights each optimizer step's gradient was taken at
+    trainer.optimizer.register_step_pre_hook(lambda *_: states.append(copy.deepcopy(model.state_dict())))
+    m = trainer.update(samples)
+    assert len(states) == 2
+
+    trained = [b for b, s in enumerate(samples) if s.advantage != 0.0]
+    assert 0 < len(trained) < len(samples)  # some skipped: their tokens count for clipfrac, never clipped
+    ref_model = tiny_decoder()
+    per_it = []
+    for state in states:
+        ref_model.load_state_dict(state)
+        per_it.append(_plain_logps(ref_model, samples, 1.0))
+    old_logp, mask, _ = per_it[0]
+    adv = torch.tensor([s.advantage for s in samples])[:, None].expand_as(mask)
+    tmask = torch.zeros_like(mask)
+    tmask[trained] = mask[trained]  # trained sequences' completion tokens
+    clipped, low, high, ratio_sum, kl_sum, ent_sum = [], 0.0, 0.0, 0.0, 0.0, 0.0
+    for logp, _, ent in per_it:  # a plain loop over iterations, then tokens
+        r = torch.exp(logp - old_logp)
+        lo = (r < 1 - eps) & (adv < 0) & mask.bool()
+        hi = (r > 1 + eps_high) & (adv > 0) & mask.bool()
+        # no ratio within 1e-3 of a threshold, so that rounding cannot flip a token between the two forwards
+        assert ((r - (1 - eps)).abs()[mask.bool()] > 1e-3).all() and ((r - (1 + eps_high)).abs()[mask.bool()] > 1e-3).all()
+        clipped.append(int((lo | hi).sum()))
+        low, high = low + float(lo.sum()), high + float(hi.sum())
+        ratio_sum += float((r * tmask).sum())
+        kl_sum += float(((old_logp - logp) * tmask).sum())
+        ent_sum += float((ent * tmask).sum())
+    assert clipped[0] == 0 and clipped[1] > 0  # so iteration 0 alone (the old figure) would say 0
+    all_pairs = 2 * mask.sum().item()  # every iteration x every completion token
+    trained_pairs = 2 * tmask.sum().item()
+    assert m["actor/pg_clipfrac"] == pytest.approx(sum(clipped) / all_pairs, abs=1e-7) and m["actor/pg_clipfrac"] > 0
+    assert m["actor/pg_clipfrac_lower"] == pytest.approx(low / all_pairs, abs=1e-7)
+    assert m["actor/pg_clipfrac_higher"] == pytest.approx(high / all_pairs, abs=1e-7)
+    assert m["actor/ratio_mean"] == pytest.approx(ratio_sum / trained_pairs, rel=1e-5)
+    assert m["actor/ppo_kl"] == pytest.approx(kl_sum / trained_pairs, abs=1e-5)
+    assert m["actor/entropy"] == pytest.approx(ent_sum / trained_pairs, rel=1e-5)
+    # the rollout-vs-trainer gap is the behaviour policy's (iteration 0), over the trained tokens once
+    rollout = torch.zeros_like(mask)
+    for b, s in enumerate(samples):
+        rollout[b, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    diff = (old_logp - rollout).abs() * tmask
+    assert m["actor/logprob_diff_mean"] == pytest.approx(float(diff.sum() / tmask.sum()), rel=1e-5)
+    assert m["actor/logprob_diff_max"] == pytest.approx(float(diff.max()), rel=1e-5)
+
+
 def test_bf16_autocast_update_runs():
     model = tiny_decoder().train()
     trainer = PolicyTrainer(model, TrainSection(dtype="bf16", micro_batch_size=4), temperature=1.0,
@@ -213,8 +322,10 @@ def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
         trainer = PolicyTrainer(model, TrainSection(dtype="fp32", micro_batch_size=4, num_iterations=2,
                                                     learning_rate=1e-2), temperature=1.0, max_completion_length=8)
         m = trainer.update(samples)
-        assert m["actor/ratio_mean"] == 1.0 and m["actor/pg_clipfrac"] == 0.0  # on-policy at the first iteration
-        results.append(copy.deepcopy(model.state_dict()))
+        assert m["actor/ratio_mean"] != 1.0  # iteration 1 is off-policy, and the metrics average over it too
+        results.append((copy.deepcopy(model.state_dict()), {k: v for k, v in m.items() if "logprob_diff" not in k}))
+    assert results[0][1] == results[1][1]  # every metric but the rollout-vs-trainer gap
+    results = [r[0] for r in results]
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 

@@ -63,7 +63,13 @@ class PolicyTrainer:
         # fused: one kernel for the whole update instead of ~6 elementwise passes per parameter list
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            weight_decay=cfg.weight_decay, fused=True)
-        self.scheduler = LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.total_steps,
+        # TRL's convention: the schedule advances once per optimizer step and spans every optimizer step of
+        # the run, train.total_steps rollout steps x num_iterations optimizer steps each (train.total_steps
+        # itself stays the number of rollout steps). warmup_steps count optimizer steps too, as TRL's (the
+        # transformers scheduler's num_warmup_steps are optimizer steps), so with num_iterations=2 a warm-up of
+        # 4 lasts 2 rollout steps.
+        self.schedule_steps = cfg.total_steps * cfg.num_iterations
+        self.scheduler = LambdaLR(self.optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, self.schedule_steps,
                                                                           cfg.lr_scheduler))
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
@@ -84,7 +90,8 @@ class PolicyTrainer:
         return batches
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step (per iteration) on a rollout batch; returns verl-style `actor/...` metrics."""
+        """`num_iterations` optimizer steps on a rollout batch (TRL's PPO epochs over it); returns verl-style
+        `actor/...` metrics, one row for the whole update (every iteration, see the comment per metric)."""
         cfg = self.cfg
         sampled_at = {s.temperature for s in samples if s.temperature is not None}
         if sampled_at and {logprob_temperature(t) for t in sampled_at} != {self.temperature}:
@@ -96,8 +103,10 @@ class PolicyTrainer:
         # sequences contribute nothing to the gradient, so they are not run at all (the normalisers above
         # still count them, so the gradient is exactly that of the full batch).
         trained = [s for s in samples if s.advantage != 0.0 or cfg.beta > 0]
+        # Sums over (iteration, micro-batch, completion token) of the trained sequences; "tok" counts those
+        # (token, iteration) pairs, "tok0" the tokens of iteration 0 only (the behaviour-policy forward).
         acc = {"loss": 0.0, "clip": 0.0, "clip_low": 0.0, "clip_high": 0.0, "ratio": 0.0, "kl": 0.0,
-               "ent": 0.0, "tok": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0}
+               "ent": 0.0, "tok": 0, "tok0": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0}
         grad_norm = 0.0
         # id(sample) -> old log-probs [T_s]; filled by the first iteration when the trainer's own are used
         old = {} if cfg.recompute_logprobs else {id(s): torch.tensor(s.logprobs) for s in samples}
@@ -109,22 +118,42 @@ class PolicyTrainer:
                 grad_norm = self._clip()
             self.optimizer.step()  # without gradients (nothing trained) AdamW leaves every parameter alone
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()  # counted whether or not anything trained, so the schedule follows the step
-        n = max(acc["tok"], 1)
+            self.scheduler.step()  # once per optimizer step, trained or not, so the schedule follows the step
+        # All means below are pooled over tokens (sums / counts), one row per rollout step; TRL averages its
+        # micro-batches' means instead, the same figure when micro-batches hold equal numbers of tokens.
+        n = max(acc["tok"], 1)  # (token, iteration) pairs of the trained sequences
+        n0 = max(acc["tok0"], 1)  # tokens of the trained sequences, counted once
+        # Every iteration x every completion token of the batch: skipped (zero-advantage) sequences are never
+        # clipped (a clip needs A < 0 or A > 0), so their tokens count in the denominator, as in TRL's mean
+        # over all completion tokens, without being run.
+        n_all = max(total_tokens * cfg.num_iterations, 1)
         metrics = {
+            # mean over iterations of the whole batch's loss (each iteration's is exactly the big-batch loss)
             "actor/pg_loss": acc["loss"] / cfg.num_iterations,
-            "actor/pg_clipfrac": acc["clip"] / n, "actor/pg_clipfrac_lower": acc["clip_low"] / n,
-            "actor/pg_clipfrac_higher": acc["clip_high"] / n,
+            # fraction of (iteration, completion token) pairs whose clipped term was taken (TRL's
+            # clip_ratio/region_mean, low_mean, high_mean): over every iteration and every completion token
+            "actor/pg_clipfrac": acc["clip"] / n_all, "actor/pg_clipfrac_lower": acc["clip_low"] / n_all,
+            "actor/pg_clipfrac_higher": acc["clip_high"] / n_all,
+            # mean ratio new / behaviour policy over every iteration and every trained completion token
             "actor/ratio_mean": acc["ratio"] / n if acc["tok"] else 1.0,
+            # mean of (old logp - new logp) over every iteration and every trained completion token (verl's)
             "actor/ppo_kl": acc["ppo_kl"] / n,
+            # mean entropy of the policy over every iteration and every trained completion token (TRL computes
+            # it in every iteration's forward too); skipped sequences are not run, so not in it
             "actor/entropy": acc["ent"] / n,
+            # the last optimizer step's (what transformers logs at the step that logs)
             "actor/grad_norm": grad_norm,
+            # the LR after this update's last scheduler step, i.e. the next optimizer step's (as transformers)
             "actor/lr": self.scheduler.get_last_lr()[0],
             "actor/trained_seqs": len(trained), "actor/skipped_seqs": total_seqs - len(trained),
+            # rollout vs trainer log-probs: the behaviour policy's, i.e. iteration 0's forward (the policy before
+            # this batch's update), over every trained completion token once, like TRL's
+            # sampling/sampling_logp_difference; later iterations would add the update's own drift to this
+            # engine-vs-trainer gap (that drift is ppo_kl / ratio_mean)
             "actor/logprob_diff_max": acc["diff_max"],
-            "actor/logprob_diff_mean": acc["diff_sum"] / n,
+            "actor/logprob_diff_mean": acc["diff_sum"] / n0,
         }
-        if cfg.beta > 0:
+        if cfg.beta > 0:  # k3 KL to the reference: every iteration x every completion token (all are trained)
             metrics["actor/kl"] = acc["kl"] / n
         return metrics
 
@@ -132,7 +161,7 @@ class PolicyTrainer:
                     acc: dict) -> None:
         cfg = self.cfg
         first = iteration == 0
-        logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=first)
+        logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=True)
         T, device = logp.shape[1], logp.device
         if first and cfg.recompute_logprobs:  # the policy before this batch's update: the behaviour policy
             for b, s in enumerate(mb):
@@ -150,18 +179,20 @@ class PolicyTrainer:
         scale = tokens / total_tokens if cfg.loss_type in ("dapo", "bnpo") else len(mb) / total_seqs
         (loss * scale).backward()
         acc["loss"] += loss.item() * scale
-        if first:  # metrics of the rollout batch as sampled (later iterations see an updated policy)
-            acc["tok"] += tokens
-            acc["clip"] += stats["clipfrac"] * tokens
-            acc["clip_low"] += stats["clipfrac_low"] * tokens
-            acc["clip_high"] += stats["clipfrac_high"] * tokens
-            acc["ratio"] += stats["ratio_mean"] * tokens
-            acc["kl"] += stats.get("kl", 0.0) * tokens
-            acc["ent"] += (ent * mask).sum().item()
+        # Every iteration: token-weighted sums (stats are this micro-batch's means over its tokens).
+        acc["tok"] += tokens
+        acc["clip"] += stats["clipfrac"] * tokens
+        acc["clip_low"] += stats["clipfrac_low"] * tokens
+        acc["clip_high"] += stats["clipfrac_high"] * tokens
+        acc["ratio"] += stats["ratio_mean"] * tokens
+        acc["kl"] += stats.get("kl", 0.0) * tokens
+        acc["ent"] += (ent * mask).sum().item()
+        acc["ppo_kl"] += ((old_logp - logp.detach()) * mask).sum().item()
+        if first:  # the rollout-vs-trainer gap, at the behaviour policy only (see `update`)
+            acc["tok0"] += tokens
             diff = ((logp.detach() - padded([s.logprobs for s in mb], T, device)).abs() * mask)
             acc["diff_max"] = max(acc["diff_max"], diff.max().item())
             acc["diff_sum"] += diff.sum().item()
-            acc["ppo_kl"] += ((old_logp - logp.detach()) * mask).sum().item()
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
