@@ -22,6 +22,7 @@ from rhymerl.bench import e2e_bench, spec_bench
 from rhymerl.config import ConfigError, load_config
 from rhymerl.data.dataset import DatasetError
 from rhymerl.cost_model import CostModel
+from rhymerl.engine.engine import Engine
 from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model import pretrained
 from rhymerl.engine.backends.cpu_weights import cpu_packing_supported
@@ -146,6 +147,7 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     assert ckpt is not None
     ckpt_step = int(ckpt.name.split("_")[1])
     assert 0 < ckpt_step < 5  # mid-run: the resume has steps left to do, and a checkpoint to start from
+    assert (ckpt / "histospec.json").exists()  # what HistoSpec learned, restored by the resume
     before = [r for r in read_metrics(killed) if r["step"] <= ckpt_step]  # timings included: not rewritten
     # (the checkpoint's own row may be missing: killed between the two, the resume writes it from the checkpoint)
     assert [r["step"] for r in before] in (list(range(ckpt_step + 1)), list(range(ckpt_step)))
@@ -157,7 +159,7 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]
     assert read_trace(killed) == read_trace(full)  # every step's lengths once, as uninterrupted
-    assert a == b  # bit for bit, although the resumed run measured its own cost model and drafted differently
+    assert a == b  # bit for bit (in fp32 whatever was drafted: the step times it measures steer HistoSpec too)
     # The final checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
     hf = AutoModelForCausalLM.from_pretrained(latest_checkpoint(killed), dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
@@ -166,6 +168,59 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     ours = TrainingRun.resume(killed).model
     logits = ours(ids.to(next(ours.parameters()).device)).cpu()  # the run's device: cuda if any
     torch.testing.assert_close(logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_in_dtype_auto_repeats_the_run_with_its_measured_cost_model(tiny_dir, tmp_path, monkeypatch):
+    """Exact resume in the default dtype (bf16 where bf16 matmuls are native), HistoSpec drafting with the cost
+    model it measured (no FLAT): what the speculator learned (edge calibration, cost model, its online
+    correction, idle counters) is checkpointed in histospec.json and restored before the first rollout, so
+    the resumed run drafts the same trees as the uninterrupted one, and bf16, which rounds a verification
+    differently with another draft shape, gives the same tokens. HistoSpec's decisions also follow the step
+    times it measures; the clock is made a fixed tick per reading during the rollouts so that only what the
+    checkpoint carries can make the two runs differ (with a real clock two uninterrupted runs may differ)."""
+    common = ["train.dtype=auto", "rollout.dtype=auto", "rollout.speculative=histospec", "train.total_steps=4",
+              "run.save_every=2", "run.keep_checkpoints=2", "val.every=0"]
+    real = time.perf_counter
+    ticks = iter(range(10**9))
+
+    def tick() -> float:  # 2**-14 s (61 us) a reading: exact in floats, so a difference of two readings
+        return next(ticks) * 2.0 ** -14  # does not depend on how many came before (the resumed run has fewer)
+
+    full = TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "full", *common)))  # measures (real clock)
+    assert full.pool.worker.engine.cost_model.measured
+    monkeypatch.setattr(time, "perf_counter", tick)
+    full.run()
+    monkeypatch.setattr(time, "perf_counter", real)
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "step_000002" / "histospec.json").read_text())
+    assert len(saved) == 1 and saved[0]["cost"]["measured"] and saved[0]["ratio"] and saved[0]["idle"]
+
+    half = tmp_path / "half"  # the run as it stood after step 2: its step-4 checkpoint gone
+    shutil.copytree(tmp_path / "full", half)
+    shutil.rmtree(half / "checkpoints" / "step_000004")
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a resumed engine re-measured its cost model")
+
+    monkeypatch.setattr(Engine, "measure_cost_model", no_measuring)
+    resumed = TrainingRun.resume(half)
+    assert resumed.start_step == 2
+    assert resumed.pool.spec_state() == saved  # restored before the first rollout, cost model included
+    monkeypatch.setattr(time, "perf_counter", tick)
+    resumed.run()
+    monkeypatch.setattr(time, "perf_counter", real)
+
+    want = pretrained.resolve_dtype("auto", "cpu") if not torch.cuda.is_available() else None
+    if want is not None:
+        assert resumed.dtypes == {"rollout": want, "train": want}
+    a, b = read_metrics(tmp_path / "full"), read_metrics(half)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert sum(r.get("rollout/spec_drafted", 0) for r in a if r["step"] > 2) > 0  # it drafted after the resume
+    assert _learned(a) == _learned(b)  # bit for bit
+    spec = ("rollout/spec_drafted", "rollout/spec_accepted")  # the same drafts, the same acceptances
+    assert [[r.get(k) for k in spec] for r in a] == [[r.get(k) for k in spec] for r in b]
+    assert resumed.pool.spec_state() == full.pool.spec_state()  # and it learned the same from them
+    assert (latest_checkpoint(half) / "histospec.json").read_text() == \
+        (latest_checkpoint(tmp_path / "full") / "histospec.json").read_text()
 
 
 def test_latest_checkpoint_is_the_newest_complete_directory(tmp_path):

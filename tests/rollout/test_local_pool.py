@@ -94,3 +94,29 @@ def test_longest_first_admission_changes_the_order_not_the_tokens(policy):
     assert [rid.split("-")[1] for rid in admitted[::2]] == ["p1", "p3", "p2", "p0"]
     with pytest.raises(ValueError, match="admission"):
         WorkerConfig(admission="shortest")
+
+
+def test_spec_state_is_plain_data_that_a_new_pool_restores(policy):
+    """What HistoSpec learned (calibration, cost model and its online correction, idle counters) leaves the
+    pool as JSON-able data, one entry per worker, and a fresh pool that loads it holds the same state and
+    uses the saved cost model (a resumed run's)."""
+    import json
+
+    measured = CostModel([1, 4], [1, 9], [[1e-3, 2e-3], [2e-3, 5e-3]], measured=True)  # corrected online
+    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+    pool = LocalPool(RolloutWorker(policy, None, config, cost_model=measured), HistoryStore())
+    prompts = random_prompts(2, seed=11)
+    pool.rollout(groups(prompts), PARAMS)
+    state = pool.spec_state()
+    assert len(state) == 1 and json.loads(json.dumps(state)) == state  # plain data
+    assert state[0]["ratio"] and any(any(r) for r in state[0]["calibration"]["den"])  # it learned something
+    fresh = LocalPool(RolloutWorker(policy, None, config, cost_model=FLAT), HistoryStore())
+    fresh.load_spec_state(json.loads(json.dumps(state)))
+    assert fresh.spec_state() == state
+    spec = fresh.worker.engine.speculator
+    assert spec.cost.as_dict() == measured.as_dict() and spec.correct_cost
+    assert fresh.worker.engine.cost_model is spec.cost
+    off = LocalPool(RolloutWorker(policy, None, WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32",
+                                                             speculative="off"), cost_model=FLAT), HistoryStore())
+    assert off.spec_state() == [None]
+    off.load_spec_state(state)  # nothing to restore into: ignored

@@ -144,6 +144,29 @@ class Speculator:
         self._ratio: dict[tuple[int, bool], float] = {}
         self._pending: tuple | None = None
 
+    # ---- what it learned, as plain data (saved with a training checkpoint) -----------------------
+    def state_dict(self) -> dict:
+        """What this speculator learned across rollouts, as JSON-able data: the edge calibration, the cost
+        model (measured or given) and its online correction ratios, the step-level idle counters. A resumed
+        run loads it (`load_state_dict`) so that it drafts as the uninterrupted run would have. Per-batch
+        state (sibling indexes, per-sequence lengths) ends with each rollout and is not part of it."""
+        return {"calibration": self.calibration.state_dict(), "cost": self.cost.as_dict(),
+                "correct_cost": self.correct_cost, "idle": [[b, n] for b, n in sorted(self._idle.items())],
+                "ratio": [[b, d, r] for (b, d), r in sorted(self._ratio.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse of `state_dict`. Without a "cost" entry the current cost model is kept; a
+        calibration for another `max_draft_tokens` is not loaded (it starts afresh)."""
+        if "cost" in state:
+            self.cost = CostModel.from_dict(state["cost"])
+            self.correct_cost = bool(state.get("correct_cost", self.cost.measured))
+        cal = state.get("calibration")
+        if cal is not None and all(len(r) == self.max_draft_tokens + 1 for r in cal["num"]):
+            self.calibration.load_state_dict(cal)
+        self._idle = {int(b): int(n) for b, n in state.get("idle", [])}
+        self._ratio = {(int(b), bool(d)): float(r) for b, d, r in state.get("ratio", [])}
+        self._pending = None
+
     # ---- the engine's two calls a step ----------------------------------------------------------
     def propose(self, seqs: list[DraftingSequence], rooms: list[int], base_tokens: int,
                 draining: bool) -> list[Draft]:

@@ -5,6 +5,8 @@ Layout of `RUN_DIR/checkpoints/step_000010/`:
                                                       `AutoModelForCausalLM.from_pretrained(dir)` loads it
   trainer.pt      optimizer and LR-scheduler state (and the LoRA adapter weights when LoRA is on)
   history.json    the HistoSpec history store
+  histospec.json  what each rollout worker's HistoSpec learned (calibration, cost model and its online
+                  correction, idle counters; `Speculator.state_dict`), a list by worker; absent with it off
   state.json      step, the run's counters, config and the dtypes it computes in
 and `RUN_DIR/checkpoints/latest` names the newest complete one (for people and tools; resuming looks at the
 directories themselves).
@@ -56,7 +58,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Tensor], model_dir: Path,
-                    trainer_state: dict, history_state: dict | None, state: dict, keep: int = 2) -> Path:
+                    trainer_state: dict, history_state: dict | None, state: dict, keep: int = 2,
+                    spec_state: list | None = None) -> Path:
     """Write checkpoint `step` atomically, point `latest` at it and delete all but the newest `keep`."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -64,7 +67,7 @@ def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Ten
         shutil.rmtree(tmp)  # left over from a crash while writing
     tmp.mkdir(parents=True)
     try:
-        _write_files(tmp, step, hf_weights, model_dir, trainer_state, history_state, state)
+        _write_files(tmp, step, hf_weights, model_dir, trainer_state, history_state, state, spec_state)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
         raise
@@ -78,7 +81,7 @@ def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Ten
 
 
 def _write_files(tmp: Path, step: int, hf_weights: dict[str, torch.Tensor], model_dir: Path, trainer_state: dict,
-                 history_state: dict | None, state: dict) -> None:
+                 history_state: dict | None, state: dict, spec_state: list | None = None) -> None:
     save_file({k: v.detach().float().contiguous() for k, v in hf_weights.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     for name in _HF_FILES:  # config and tokenizer of the base model, so transformers can load the directory
@@ -88,6 +91,8 @@ def _write_files(tmp: Path, step: int, hf_weights: dict[str, torch.Tensor], mode
     torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer.pt")
     if history_state is not None:
         (tmp / "history.json").write_text(json.dumps(history_state))
+    if spec_state is not None and any(s is not None for s in spec_state):
+        (tmp / "histospec.json").write_text(json.dumps(spec_state))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
 
 
@@ -114,6 +119,12 @@ def _prune(ckpt_root: Path, keep: int) -> None:
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint directory (cheap: no weights, no optimizer)."""
     return json.loads((Path(path) / "state.json").read_text())
+
+
+def read_spec_state(path: Path) -> list | None:
+    """histospec.json of a checkpoint directory (each worker's HistoSpec state), or None when it has none."""
+    f = Path(path) / "histospec.json"
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict | None]:

@@ -30,7 +30,8 @@ from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
-from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint, set_rng_state
+from rhymerl.rl.checkpoint import (latest_checkpoint, load_checkpoint, read_spec_state, read_state, save_checkpoint,
+                                  set_rng_state)
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
@@ -92,6 +93,13 @@ class TrainingRun:
                               speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
                               draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts,
                               admission=cfg.rollout.admission_order)
+        # HistoSpec's learned state (checkpointed): a resumed worker reuses the saved cost model rather than
+        # measuring a new one, and then takes the calibration, correction ratios and idle counters too.
+        spec_states = read_spec_state(ckpt) if ckpt is not None else None
+        if cost_model is not None and spec_states:  # a cost model given here wins over the saved one
+            spec_states = [s and {k: v for k, v in s.items() if k not in ("cost", "correct_cost")} for s in spec_states]
+        elif spec_states and spec_states[0] is not None and "cost" in spec_states[0]:
+            cost_model = CostModel.from_dict(spec_states[0]["cost"])
         self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
                               cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
@@ -120,6 +128,8 @@ class TrainingRun:
             self.start_step = state["step"]
             self.reward_errors = state.get("reward_errors", 0)
             self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
+            if spec_states:
+                self.pool.load_spec_state(spec_states)
             print(f"[train] resumed from {ckpt} at step {self.start_step} of {cfg.train.total_steps}", file=sys.stderr)
         save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -266,7 +276,7 @@ class TrainingRun:
             model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
             state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg), "dtypes": self.dtypes,
                    "metrics": {k: v if isinstance(v, str) else float(v) for k, v in (metrics or {}).items()}},
-            keep=self.cfg.run.keep_checkpoints)
+            keep=self.cfg.run.keep_checkpoints, spec_state=self.pool.spec_state())
 
     def run(self) -> Path:
         """Train from `start_step` to `train.total_steps`; returns the run directory."""

@@ -31,6 +31,15 @@ class LocalPool:
         self.worker.load_weights(params, version)
         self.weights_version = version
 
+    def spec_state(self) -> list[dict | None]:
+        """Each worker's HistoSpec state (`RolloutWorker.spec_state`): one here."""
+        return [self.worker.spec_state()]
+
+    def load_spec_state(self, states: list[dict | None]) -> None:
+        """Restore `spec_state`'s list (a resume)."""
+        if states:
+            self.worker.load_spec_state(states[0])
+
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
         self.history.record_rollout(prompt_ids, responses, rewards)

@@ -116,6 +116,12 @@ class WorkerActor:
                 weights_version: int) -> tuple[list[RequestOutput], WorkerStats]:
         return self.worker.rollout(groups, params, history, weights_version)
 
+    def spec_state(self) -> dict | None:
+        return self.worker.spec_state()
+
+    def load_spec_state(self, state: dict | None) -> None:
+        self.worker.load_spec_state(state)
+
 
 class RayPool:
     """`RolloutPool` over `num_workers` Ray actors (see the module doc). `policy`: the model whose weights the
@@ -243,6 +249,29 @@ class RayPool:
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
         self.history.record_rollout(prompt_ids, responses, rewards)
+
+    def spec_state(self) -> list[dict | None]:
+        """Each live worker's HistoSpec state (`RolloutWorker.spec_state`), in worker-id order; None for a
+        worker that does not answer (it re-learns after a resume)."""
+        out = []
+        for a in self.actors.values():
+            try:
+                out.append(ray.get(a.spec_state.remote(), timeout=self.timeout_s))
+            except (RayActorError, GetTimeoutError):
+                out.append(None)
+        return out
+
+    def load_spec_state(self, states: list[dict | None]) -> None:
+        """Restore `spec_state`'s list on a resume: the i-th live worker takes entry i (modulo its length,
+        when the worker count changed). A worker restarted later starts from the first saved cost model and
+        re-learns the rest."""
+        if not states:
+            return
+        first = next((s for s in states if s is not None and "cost" in s), None)
+        if first is not None:
+            self._cost_model = CostModel.from_dict(first["cost"])
+        refs = [a.load_spec_state.remote(states[i % len(states)]) for i, a in enumerate(self.actors.values())]
+        ray.get(refs, timeout=self.timeout_s)
 
     def close(self) -> None:
         """End the workers' actors (the cluster itself ends with the process that started it)."""

@@ -79,3 +79,7 @@ class RolloutPool(Protocol):
     def load_weights(self, params: dict, version: int) -> None: ...
 
     def record(self, prompt_ids: list[int], responses: list[list[int]], rewards: list[float | None] | None) -> None: ...
+
+    def spec_state(self) -> list[dict | None]: ...  # each worker's HistoSpec state, plain data (checkpointed)
+
+    def load_spec_state(self, states: list[dict | None]) -> None: ...  # restore it on a resume

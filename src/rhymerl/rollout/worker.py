@@ -79,6 +79,17 @@ class RolloutWorker:
                 p.copy_(params[name])
         self.weights_version = version
 
+    def spec_state(self) -> dict | None:
+        """HistoSpec's learned state (`Speculator.state_dict`: calibration, cost model and its correction,
+        idle counters) as plain data, or None with speculation off."""
+        return self.engine.speculator.state_dict() if self.engine.speculator is not None else None
+
+    def load_spec_state(self, state: dict | None) -> None:
+        """Restore what `spec_state` returned (a resume); nothing with speculation off or no state."""
+        if state is not None and self.engine.speculator is not None:
+            self.engine.speculator.load_state_dict(state)
+            self.engine.cost_model = self.engine.speculator.cost
+
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int) -> tuple[list[RequestOutput], WorkerStats]:
         """Every request of `groups` to completion, after bringing the history replica up to date with
