@@ -30,7 +30,7 @@ class RequestOutput:
     first_token_s: float = 0.0  # arrival -> first token
     total_s: float = 0.0  # arrival -> finished
     forwards: int = 0  # forward passes it took part in (prefill included)
-    spec: object = None  # HistoSpec's work on it (rhymerl.histospec.speculator.SpecStats); None when off
+    spec: object = None  # HistoSpec's work on it (rhymerl.histospec.stats.SpecStats); None when off
 
     @property
     def tokens_per_forward(self) -> float:

@@ -11,7 +11,8 @@ Torch-free. The engine imports it; it imports only the leaves `rhymerl.history` 
 """
 
 from rhymerl.histospec.drafter import Draft, Drafter
-from rhymerl.histospec.speculator import SpecStats, Speculator
+from rhymerl.histospec.speculator import Speculator
+from rhymerl.histospec.stats import SpecStats
 from rhymerl.histospec.suffix_index import SuffixIndex
 from rhymerl.histospec.verify import Verified, accept, verify
 

@@ -22,6 +22,7 @@ from rhymerl.histospec.budget import PROBE_EVERY, PROBE_NODES, PROBE_SPEND, is_p
 from rhymerl.histospec.calibration import MATCH_CLASSES, EdgeCalibration, match_class
 from rhymerl.histospec.drafter import Draft, Drafter
 from rhymerl.histospec.history_index import HistoryIndex
+from rhymerl.histospec.stats import SpecStats
 from rhymerl.histospec.suffix_index import SuffixIndex
 from rhymerl.histospec.verify import Verified
 from rhymerl.history import HistoryStore
@@ -32,36 +33,6 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # phrase but not the sentence. On the T=0.3 tail a 15-token window took clearly fewer forwards than 7
 # (docs/notebook/2026-11-23.md, bench spec at 021876b); 23 gained nothing more.
 MATCH_WINDOW = 15
-
-
-@dataclass
-class SpecStats:
-    """HistoSpec's work, for the whole engine (`Speculator.stats`) or for one request
-    (`RequestOutput.spec`)."""
-
-    drafted: int = 0  # draft tokens verified
-    accepted: int = 0  # draft tokens accepted
-    accepted_by_source: dict = field(default_factory=lambda: {"history": 0, "siblings": 0, "self": 0})
-    verify_steps: int = 0  # (sequence, step) pairs that verified a non-empty draft
-    # time spent drafting and choosing the budget; for a request, its share: each drafting step's time
-    # split evenly over the sequences that drafted in it
-    draft_s: float = 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted / max(self.drafted, 1)
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Accepted draft tokens per verified draft."""
-        return self.accepted / max(self.verify_steps, 1)
-
-    def add(self, draft: Draft, accepted: int) -> None:
-        """Count one verified draft and how many of its tokens the policy accepted."""
-        self.drafted += len(draft.tokens)
-        self.accepted += accepted
-        self.accepted_by_source[draft.source] += accepted
-        self.verify_steps += 1
 
 
 @dataclass

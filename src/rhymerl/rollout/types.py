@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
-from rhymerl.histospec.speculator import SpecStats
+from rhymerl.histospec.stats import SpecStats
 
 
 class StaleWeightsError(RuntimeError):

@@ -16,7 +16,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histospec.speculator import SpecStats
+from rhymerl.histospec.stats import SpecStats
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
