@@ -25,3 +25,8 @@ class EngineStats:
     def tokens_per_seq_forward(self) -> float:
         """Tokens each sequence commits per forward it takes part in: 1 without speculation."""
         return self.generated_tokens / max(self.seq_steps, 1)
+
+    def merge(self, other: "EngineStats") -> None:
+        """Add another's counters to these (several workers' stats into one)."""
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)

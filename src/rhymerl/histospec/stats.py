@@ -35,3 +35,12 @@ class SpecStats:
         self.accepted += accepted
         self.accepted_by_source[draft.source] += accepted
         self.verify_steps += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another's counts to these (several workers' stats into one)."""
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.verify_steps += other.verify_steps
+        self.draft_s += other.draft_s
+        for src, n in other.accepted_by_source.items():
+            self.accepted_by_source[src] = self.accepted_by_source.get(src, 0) + n

@@ -49,8 +49,7 @@ class RolloutResult:
         """The workers' engine stats added up."""
         total = EngineStats()
         for w in self.workers:
-            for name in vars(total):
-                setattr(total, name, getattr(total, name) + getattr(w.engine, name))
+            total.merge(w.engine)
         return total
 
     def spec_totals(self) -> SpecStats | None:
@@ -59,13 +58,8 @@ class RolloutResult:
         if not specs:
             return None
         total = SpecStats()
-        for s in specs:
-            total.drafted += s.drafted
-            total.accepted += s.accepted
-            total.verify_steps += s.verify_steps
-            total.draft_s += s.draft_s
-            for src, n in s.accepted_by_source.items():
-                total.accepted_by_source[src] = total.accepted_by_source.get(src, 0) + n
+        for spec in specs:
+            total.merge(spec)
         return total
 
 
