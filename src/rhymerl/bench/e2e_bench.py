@@ -73,7 +73,8 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
               f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"reward.format_weight={format_weight}",
               f"rollout.num_slots={prompts_per_step * num_generations}", f"run.seed={seed}", "run.save_every=0",
-              "run.progress=false", "run.tensorboard=false"]
+              "run.progress=false", "run.tensorboard=false",
+              "train.epsilon_high=0.28"]  # as the TRL side (run_trl_grpo's default), DAPO's clip-higher
     # The runs' directories hold their final checkpoints (GBs for a real model) and no figure we report:
     # removed when the runs are done.
     with tempfile.TemporaryDirectory(prefix="rhymerl-e2e-") as tmp:

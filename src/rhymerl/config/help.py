@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import fields
 from typing import Any
 
@@ -16,6 +17,8 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if value == "":
         return "''"
+    if isinstance(value, tuple):  # a list key (tuple in the schema: immutable default)
+        return "[" + ", ".join(map(_show, value)) + "]"
     return str(value)
 
 
@@ -27,8 +30,9 @@ def config_help() -> str:
             text = f.metadata["help"]
             if f.metadata["choices"]:
                 text += f" [{' | '.join(f.metadata['choices'])}]"
-            rows.append((section, f"{section}.{f.name}", f"{_TYPES[section][f.name].__name__} = {_show(f.default)}",
-                         text))
+            typ = _TYPES[section][f.name]
+            name = "list" if typing.get_origin(typ) is tuple else typ.__name__  # written as a YAML list
+            rows.append((section, f"{section}.{f.name}", f"{name} = {_show(f.default)}", text))
     w_key = max(len(r[1]) for r in rows)
     w_type = max(len(r[2]) for r in rows)
     lines: list[str] = []

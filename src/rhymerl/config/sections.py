@@ -57,7 +57,10 @@ def _holds(value: float, check: str) -> bool:
 
 
 def _is_a(value: Any, typ: type) -> bool:
-    """`value` fits a field of type `typ` (an int fits a float; a bool is not a number)."""
+    """`value` fits a field of type `typ` (an int fits a float; a bool is not a number; a `tuple[X, ...]`
+    field holds a tuple of X)."""
+    if typing.get_origin(typ) is tuple:
+        return isinstance(value, tuple) and all(_is_a(v, typing.get_args(typ)[0]) for v in value)
     return isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
 
 
@@ -84,6 +87,9 @@ class _Section:
                 errors.append(f"{section}.{f.name}: expected {typ.__name__}{hint}, got {value!r}")
             elif typ is float and not math.isfinite(value):
                 errors.append(bad(f.name, "a finite number"))
+            elif typing.get_origin(typ) is tuple and typing.get_args(typ)[0] is float and \
+                    not all(map(math.isfinite, value)):
+                errors.append(bad(f.name, "finite numbers"))
         if errors:  # range checks on a value of the wrong type would raise TypeError
             return errors
         for f in fields(self):  # type: ignore[arg-type]
@@ -132,12 +138,39 @@ class RewardSection(_Section):
 
     format_weight: float = _opt(0.2, "weight of the format reward added to correctness", check=">= 0")
     function: str = _opt("", "user reward 'module:function' or 'path/to/file.py:function'; "
-                              "replaces the built-in scorer")
+                              "replaces the built-in scorer (one entry of reward.functions)")
+    # Tuples, not lists: a dataclass default must be immutable; YAML and overrides write lists ([a, b]).
+    functions: tuple[str, ...] = _opt((), "several user rewards (TRL's reward_funcs), a list of "
+                                      "'module:function' / 'path/to/file.py:function'; correctness is their "
+                                      "weighted sum (instead of reward.function)")
+    weights: tuple[float, ...] = _opt((), "weight of each of reward.functions (TRL's reward_weights); "
+                                      "empty = 1 each")
+    # 60 s: a hung function stops costing time after one call's worth (its worker process is killed), while an
+    # answer checker with math_verify's own 5 s limits, or a judge behind an HTTP call, fits easily.
+    timeout_s: float = _opt(60.0, "seconds a user reward function may take per completion; one that does not "
+                            "return scores 0 and counts in reward/errors (the functions then run in a worker "
+                            "process, restarted after a timeout); 0 = no limit, called in this process",
+                            check=">= 0")
+    overlong_buffer_len: int = _opt(0, "DAPO's overlong penalty (verl's reward_model.overlong_buffer.len): a "
+                                    "response longer than rollout.max_completion_length minus this many tokens "
+                                    "loses up to overlong_penalty_factor, linearly; 0 = off", check=">= 0")
+    overlong_penalty_factor: float = _opt(1.0, "the overlong penalty at max_completion_length (verl's "
+                                          "overlong_buffer.penalty_factor)", check=">= 0")
 
     def _rules(self) -> list[tuple]:
-        module, _, func = self.function.rpartition(":")
-        return [("function", not self.function or (bool(module) and func.isidentifier()),
-                 "'module:function' or 'path/to/file.py:function'")]
+        def spec_ok(spec: str) -> bool:
+            module, _, func = spec.rpartition(":")
+            return bool(module) and func.isidentifier()
+
+        n = len(self.functions) or bool(self.function)
+        return [("function", not self.function or spec_ok(self.function),
+                 "'module:function' or 'path/to/file.py:function'"),
+                ("functions", all(map(spec_ok, self.functions)),
+                 "a list of 'module:function' or 'path/to/file.py:function'"),
+                ("functions", not (self.function and self.functions), "empty when reward.function is set",
+                 " (reward.function is one entry of reward.functions: set one of the two)"),
+                ("weights", not self.weights or len(self.weights) == n,
+                 f"empty or one weight per reward function ({int(n)})")]
 
 
 @dataclass
@@ -171,6 +204,9 @@ class RolloutSection(_Section):
     admission_order: str = _opt("fifo", "order in which a worker's groups enter its slots: fifo = as given; "
                                 "longest_first = longest predicted length first, from the history (HistoPipe "
                                 "inside a worker; the same tokens, other timing)", ADMISSION_ORDERS)
+    reward_aware_drafting: bool = _opt(False, "HistoSpec prefers branches that earlier responses with higher "
+                                       "rewards took (the paper's reward-aware branch priority); the same tokens, "
+                                       "other drafts")
 
     def _rules(self) -> list[tuple]:
         return [("num_generations", self.num_generations >= 2, ">= 2",
@@ -200,14 +236,25 @@ class TrainSection(_Section):
     num_iterations: int = _opt(1, "PPO epochs over each rollout batch (TRL's num_iterations)", check=">= 1")
     recompute_logprobs: bool = _opt(True, "old log-probs from the trainer's own first forward (no extra pass; "
                                     "keeps training independent of speculation) instead of the rollout's")
-    loss_type: str = _opt("dapo", "loss normalisation", LOSS_TYPES)
+    loss_type: str = _opt("dapo", "loss normalisation: dapo = over the batch's tokens (TRL's dapo; bnpo is the "
+                          "same here, TRL's bnpo is per micro-batch), grpo = per sequence, dr_grpo = B x "
+                          "max_completion_length", LOSS_TYPES)
     epsilon: float = _opt(0.2, "lower clip range of the ratio", check="> 0")
-    epsilon_high: float = _opt(0.28, "upper clip range of the ratio (>= epsilon; clip-higher)")
+    # 0 = epsilon, TRL's default (None there); DAPO's clip-higher sets 0.28. Resolved where the trainer reads it.
+    epsilon_high: float = _opt(0.0, "upper clip range of the ratio (>= epsilon; DAPO's clip-higher: 0.28); "
+                               "0 = the same as epsilon", check=">= 0")
     beta: float = _opt(0.0, "KL coefficient (reference model loaded only when > 0)", check=">= 0")
     scale_rewards: str = _opt("group", "std used to scale advantages", SCALE_REWARDS)
+    filter_groups: bool = _opt(False, "DAPO's dynamic sampling (verl's algorithm.filter_groups): drop groups whose "
+                               "rewards are all equal (zero advantage) and roll out more prompts until the step "
+                               "has prompts_per_step groups")
+    max_num_gen_batches: int = _opt(10, "filter_groups: most rollouts of prompts_per_step prompts per step (verl's "
+                                    "max_num_gen_batches); past it the step trains on the groups it has "
+                                    "(0 = no limit)", check=">= 0")
 
     def _rules(self) -> list[tuple]:
-        return [("epsilon_high", self.epsilon_high >= self.epsilon, f">= train.epsilon ({self.epsilon!r})")]
+        return [("epsilon_high", self.epsilon_high == 0 or self.epsilon_high >= self.epsilon,
+                 f">= train.epsilon ({self.epsilon!r})")]  # 0 (= epsilon) is documented in the help
 
 
 @dataclass

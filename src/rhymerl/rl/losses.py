@@ -8,8 +8,12 @@ epsilon_high defaults to epsilon; a larger epsilon_high is DAPO's clip-higher. T
 aggregated over completion tokens (mask) according to loss_type:
 
     "grpo"    : mean over each sequence's tokens, then mean over sequences (original GRPO; favours short answers)
-    "dapo"    : sum over all tokens / number of completion tokens in the batch (token-level; "bnpo" is an alias,
-                equal to TRL's on one process)
+    "dapo"    : sum over all tokens / number of completion tokens in the whole batch (token-level; TRL's "dapo",
+                which normalises by the active tokens of the global accumulated batch: the trainer rescales each
+                micro-batch to the whole batch's token count)
+    "bnpo"    : the same as "dapo" here. TRL's "bnpo" normalises by the tokens of each local (micro-)batch
+                instead, so its loss moves with the micro-batch split; rhymerl's always uses the whole batch's
+                count, i.e. its "bnpo" is TRL's "dapo" (checked against TRL's GRPOConfig docs, 2026-11-25)
     "dr_grpo" : sum over all tokens / (B * max_completion_length) (Dr. GRPO: a constant, length-unbiased normaliser)
 """
 

@@ -172,8 +172,9 @@ class PolicyTrainer:
         if cfg.beta > 0:
             with torch.no_grad():
                 ref_logp, _, _ = token_logprobs(self.ref_model, mb, self.temperature, self.autocast)
-        loss, stats = policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high, cfg.loss_type,
-                                  self.max_completion_length, ref_logp, cfg.beta)
+        # train.epsilon_high 0 means "the same as epsilon" (TRL's default, None there)
+        loss, stats = policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
+                                  cfg.loss_type, self.max_completion_length, ref_logp, cfg.beta)
         # From this micro-batch's normaliser to the whole batch's (see the module docstring).
         tokens = int(mask.sum().item())
         scale = tokens / total_tokens if cfg.loss_type in ("dapo", "bnpo") else len(mb) / total_seqs
