@@ -27,7 +27,7 @@ from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
-from rhymerl.engine.sequence import RequestOutput, Sequence
+from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence, Status
 from rhymerl.engine.stats import EngineStats
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import Speculator
@@ -109,10 +109,14 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,
-                    group=None) -> int | str:
+                    group=None, continuation: Continuation | None = None) -> int | str:
         """Queue a request; raise ValueError (naming the request and the broken rule) if it is invalid.
         Requests with the same `group` (default: the same prompt) are siblings: HistoSpec drafts from
-        each other's responses."""
+        each other's responses. With `continuation` (another engine's `extract`; its prompt, params, id and
+        group win over the other arguments) the request goes on from the tokens it has generated."""
+        if continuation is not None:
+            c = continuation
+            prompt_ids, params, request_id, group = c.prompt_ids, c.params, c.request_id, c.group
         if request_id is None:
             request_id, self._next_id = self._next_id, self._next_id + 1
         if not prompt_ids:
@@ -127,8 +131,53 @@ class Engine:
         params.validate()
         seq = Sequence(request_id, list(prompt_ids), params)
         seq.group = prompt_key(prompt_ids) if group is None else group
+        if continuation is not None:
+            self._resume(seq, continuation)
         self.scheduler.add(seq)
         return request_id
+
+    # ---- migration (2026-11-25): a request handed over at a step boundary ----------------------------
+    def adopt(self, continuation: Continuation) -> int | str:
+        """Queue a request another engine handed over (`extract`): its first step prefills prompt +
+        generated tokens, then it decodes on at output position len(output_ids) with the same keyed draws."""
+        return self.add_request(continuation.prompt_ids, continuation.params, continuation=continuation)
+
+    def _resume(self, seq: Sequence, c: Continuation) -> None:
+        if len(c.logprobs) != len(c.output_ids):
+            raise ValueError(f"request {c.request_id!r}: continuation has {len(c.output_ids)} tokens but "
+                             f"{len(c.logprobs)} logprobs (one per generated token)")
+        if len(c.output_ids) >= c.params.max_tokens or len(c.prompt_ids) + len(c.output_ids) >= self.max_model_len:
+            raise ValueError(f"request {c.request_id!r}: continuation with {len(c.output_ids)} generated tokens "
+                             f"has no room left (max_tokens {c.params.max_tokens}, max_model_len {self.max_model_len})")
+        seq.output_ids, seq.logprobs, seq.resumed = list(c.output_ids), list(c.logprobs), True
+        seq.first_token = time.perf_counter()
+        self.stats.migrations += 1
+        if self.speculator is not None:  # its own and its siblings' indexes learn what it has generated
+            seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
+            self.speculator.observe(seq.spec, seq.output_ids)
+
+    def unfinished(self) -> list[Sequence]:
+        """The requests not finished yet: waiting ones in queue order, then running ones in slot order."""
+        return list(self.scheduler.waiting) + [self.scheduler.running[s] for s in sorted(self.scheduler.running)]
+
+    def extract(self, request_id: int | str) -> Continuation:
+        """Take an unfinished request out of this engine between two steps, freeing its slot, as plain data
+        another engine can `adopt`. KeyError when no unfinished request has that id."""
+        seq = next((q for q in self.unfinished() if q.request_id == request_id), None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not unfinished in this engine (extract takes a waiting "
+                           f"or running request)")
+        if seq.status == Status.WAITING:
+            self.scheduler.waiting.remove(seq)
+        else:
+            self.scheduler.finish(seq)
+            for moved, old_slot in self.scheduler.compact():
+                self.runner.move(old_slot, moved.slot, moved.num_cached)
+        seq.status = Status.FINISHED
+        self.stats.handed_over += 1
+        if self.speculator is not None and not self.has_unfinished():
+            self.speculator.groups.clear()  # the batch is over here: its sibling indexes go, as after a step
+        return seq.to_continuation()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -152,13 +201,21 @@ class Engine:
             else:
                 inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1,
                                         prefix_from=sources.get(seq.slot)))
-            self.stats.prompt_tokens += len(new) if seq.num_cached < len(seq.prompt_ids) else 0
+            # a prefill feeds the rest of the prompt, then an adopted request's generated tokens
+            self.stats.prompt_tokens += len(new) - len(seq.output_ids) if seq.num_cached < len(seq.prompt_ids) else 0
             self.stats.tokens_forwarded += len(inputs[-1].tokens)
+        resumed = sum(len(new) for seq, new in zip(seqs, news) if seq.resumed)
         t1 = time.perf_counter()
         # rows: 1 per plain slot, 1 + len(draft) per drafting slot; in the model's dtype (the sampler widens
         # the rows it reads: a verification step reads few of them)
         logits = self.runner.run(inputs, float_logits=False)
-        self.stats.forward_s += time.perf_counter() - t1
+        forward_s = time.perf_counter() - t1
+        self.stats.forward_s += forward_s
+        if resumed:  # re-prefill of adopted requests: their tokens' share of this forward
+            self.stats.migration_prefill_tokens += resumed
+            self.stats.migration_prefill_s += forward_s * resumed / sum(len(x.tokens) for x in inputs)
+            for seq in seqs:
+                seq.resumed = False
         self.stats.forward_passes += 1
         for seq in seqs:
             seq.forwards += 1
@@ -269,10 +326,14 @@ class Engine:
     # ---- batch API ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list | None = None, progress: bool = False,
-                 on_event: Callable[[StepEvent], None] | None = None) -> list[RequestOutput]:
-        """Run prompts (token ids) to completion; results in input order. An invalid request is rejected
-        alone: its result has finish_reason "error" and the message, the others complete."""
-        if not prompts:
+                 on_event: Callable[[StepEvent], None] | None = None, continuations: Iterable[Continuation] = (),
+                 between_steps: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run prompts (token ids) and adopted `continuations` to completion; results in input order, the
+        continuations' after the prompts'. An invalid request is rejected alone: its result has finish_reason
+        "error" and the message, the others complete. `between_steps` runs before every step (a step
+        boundary): a request it hands over (`extract`) has no result here."""
+        continuations = list(continuations)
+        if not prompts and not continuations:
             raise ValueError("generate() got an empty prompt list")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = list(request_ids) if request_ids is not None else [f"req-{self._next_id + i}" for i in range(len(prompts))]
@@ -283,9 +344,17 @@ class Engine:
                 self.add_request(prompt, p, rid)
             except ValueError as e:
                 results[rid] = RequestOutput(rid, list(prompt), [], [], "error", error=str(e))
-        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not progress)
+        for c in continuations:
+            ids.append(c.request_id)
+            try:
+                self.adopt(c)
+            except ValueError as e:
+                results[c.request_id] = RequestOutput(c.request_id, list(c.prompt_ids), [], [], "error", error=str(e))
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not progress)
         bar.update(len(results))
         while self.has_unfinished():
+            if between_steps is not None:
+                between_steps()
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)
@@ -294,5 +363,5 @@ class Engine:
                     bar.update(1)
             bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
         bar.close()
-        return [results[rid] for rid in ids]
+        return [results[rid] for rid in ids if rid in results]
 

@@ -39,6 +39,21 @@ class RequestOutput:
 
 
 @dataclass
+class Continuation:
+    """A request handed over between engines at a step boundary (migration, 2026-11-25): plain, picklable
+    data. The engine that adopts it (`Engine.adopt`) prefills prompt + generated tokens and decodes on from
+    output position len(output_ids); keyed randomness (seed, request id, position) makes the rest of the
+    response the tokens the first engine would have drawn."""
+
+    request_id: int | str
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated so far
+    logprobs: list[float]  # theirs
+    params: SamplingParams
+    group: object = None  # its sibling group's key (the prompt's `prompt_key` by default)
+
+
+@dataclass
 class Sequence:
     request_id: int | str
     prompt_ids: list[int]
@@ -56,6 +71,7 @@ class Sequence:
     forwards: int = 0  # forward passes it took part in
     group: object = None  # siblings share a group (HistoSpec drafts from each other)
     spec: object = None  # the speculator's per-sequence state (rhymerl.histospec.speculator.SeqSpec)
+    resumed: bool = False  # adopted from another engine (`Continuation`) and not yet re-prefilled
 
     def __post_init__(self):
         self.key = request_key(self.request_id)
@@ -71,6 +87,11 @@ class Sequence:
         if self.num_cached < n_prompt:
             return self.prompt_ids[self.num_cached :] + self.output_ids
         return self.output_ids[self.num_cached - n_prompt :]
+
+    def to_continuation(self) -> "Continuation":
+        """This request's state as plain data, for another engine to go on with (`Engine.extract`)."""
+        return Continuation(self.request_id, list(self.prompt_ids), list(self.output_ids), list(self.logprobs),
+                            self.params, self.group)
 
     def to_output(self) -> RequestOutput:
         now = time.perf_counter()

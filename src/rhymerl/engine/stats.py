@@ -15,6 +15,13 @@ class EngineStats:
     busy_s: float = 0.0  # wall time inside step()
     forward_s: float = 0.0  # of which in the model's forward
     seq_steps: int = 0  # sum over steps of the sequences in the step
+    # Migration (2026-11-25): requests handed to another engine (`Engine.extract`) and adopted from one
+    # (`Engine.adopt`: each migration counts once, where it lands), the prompt + generated tokens the adopted
+    # ones re-prefilled, and those tokens' share of the forward time of the steps that fed them.
+    handed_over: int = 0
+    migrations: int = 0
+    migration_prefill_tokens: int = 0
+    migration_prefill_s: float = 0.0
 
     @property
     def tokens_per_forward(self) -> float:
