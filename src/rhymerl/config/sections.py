@@ -17,9 +17,9 @@ from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
     "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS",
-    "ROLLOUT_BACKENDS", "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError", "DataSection", "ModelSection",
-    "RaySection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig", "TrainSection", "ValSection",
-    "validate",
+    "ROLLOUT_BACKENDS", "ROLLOUT_MODES", "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError", "DataSection",
+    "ModelSection", "RaySection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig", "TrainSection",
+    "ValSection", "validate",
 ]
 
 # Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so
@@ -32,7 +32,8 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 ROLLOUT_BACKENDS = ("local", "ray")  # rhymerl.rollout.factory.make_pool builds each
-ADMISSION_ORDERS = ("fifo", "longest_first")  # rhymerl.rollout.worker.ADMISSION_ORDERS
+ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")  # rhymerl.rollout.worker.ADMISSION_ORDERS
+ROLLOUT_MODES = ("sync", "one_step_off")  # rhymerl.rl.loop.TrainingRun runs each
 
 
 class ConfigError(ValueError):
@@ -203,7 +204,11 @@ class RolloutSection(_Section):
                                    "may take before the worker counts as failed (0 = no limit)", check=">= 0")
     admission_order: str = _opt("fifo", "order in which a worker's groups enter its slots: fifo = as given; "
                                 "longest_first = longest predicted length first, from the history (HistoPipe "
-                                "inside a worker; the same tokens, other timing)", ADMISSION_ORDERS)
+                                "inside a worker; the same tokens, other timing); alternate = shortest first on "
+                                "odd steps, longest first on even ones (for mode=one_step_off)", ADMISSION_ORDERS)
+    mode: str = _opt("sync", "sync = each step rolls out on the weights it trains; one_step_off = step t+1 rolls "
+                     "out on the workers while step t trains, on weights one step old (backend=ray; not strictly "
+                     "on-policy: see train.tis_imp_ratio_cap)", ROLLOUT_MODES)
     reward_aware_drafting: bool = _opt(False, "HistoSpec prefers branches that earlier responses with higher "
                                        "rewards took (the paper's reward-aware branch priority); the same tokens, "
                                        "other drafts")
@@ -212,7 +217,9 @@ class RolloutSection(_Section):
         return [("num_generations", self.num_generations >= 2, ">= 2",
                  " (GRPO compares completions of one prompt: a group of 1 has zero advantage)"),
                 ("num_workers", self.backend != "local" or self.num_workers == 1, "1 with rollout.backend=local",
-                 " (the local backend runs one in-process worker; set rollout.backend=ray for several)")]
+                 " (the local backend runs one in-process worker; set rollout.backend=ray for several)"),
+                ("mode", self.backend != "local" or self.mode == "sync", "'sync' with rollout.backend=local",
+                 " (one_step_off rolls out on Ray workers while the driver trains; set rollout.backend=ray)")]
 
 
 @dataclass
@@ -236,6 +243,11 @@ class TrainSection(_Section):
     num_iterations: int = _opt(1, "PPO epochs over each rollout batch (TRL's num_iterations)", check=">= 1")
     recompute_logprobs: bool = _opt(True, "old log-probs from the trainer's own first forward (no extra pass; "
                                     "keeps training independent of speculation) instead of the rollout's")
+    # verl's key and TIS; 2.0 as in the TIS write-up (Yao et al. 2025). Only rollout.mode=one_step_off applies
+    # it: in sync mode the rollout ran on the trained weights, and weighting by the numerical rollout-vs-trainer
+    # gap would make training depend on speculation (see rl/trainer.py).
+    tis_imp_ratio_cap: float = _opt(2.0, "rollout.mode=one_step_off: each token's loss times min(exp(old - "
+                                    "rollout log-prob), cap), verl's truncated importance sampling (<= 0 = off)")
     loss_type: str = _opt("dapo", "loss normalisation: dapo = over the batch's tokens (TRL's dapo; bnpo is the "
                           "same here, TRL's bnpo is per micro-batch), grpo = per sequence, dr_grpo = B x "
                           "max_completion_length", LOSS_TYPES)

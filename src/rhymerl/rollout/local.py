@@ -22,9 +22,9 @@ class LocalPool:
         self.history = history
         self.weights_version = worker.weights_version
 
-    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams) -> RolloutResult:
+    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         history = self.history.export(g.prompt_ids for g in groups)
-        outputs, stats = self.worker.rollout(groups, params, history, self.weights_version)
+        outputs, stats = self.worker.rollout(groups, params, history, self.weights_version, step)
         return RolloutResult(outputs, [stats], self.weights_version)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:

@@ -113,8 +113,8 @@ class WorkerActor:
         return version
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
-                weights_version: int) -> tuple[list[RequestOutput], WorkerStats]:
-        return self.worker.rollout(groups, params, history, weights_version)
+                weights_version: int, step: int | None = None) -> tuple[list[RequestOutput], WorkerStats]:
+        return self.worker.rollout(groups, params, history, weights_version, step)
 
     def spec_state(self) -> dict | None:
         return self.worker.spec_state()
@@ -189,7 +189,7 @@ class RayPool:
               f"dropped; {len(self.actors)} workers go on", file=sys.stderr)
         return False
 
-    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams) -> RolloutResult:
+    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         groups = list(groups)
         live = self.workers
         shares = [[groups[i] for i in share] for share in static_split(len(groups), len(live))]
@@ -197,7 +197,7 @@ class RayPool:
         pending: dict[int, tuple[int, ray.ObjectRef, float]] = {}  # share -> (worker, reply, deadline)
 
         def send(k: int, w: int) -> None:  # a share queued behind another of the same worker waits for it
-            ref = self.actors[w].rollout.remote(shares[k], params, slices[k], self.weights_version)
+            ref = self.actors[w].rollout.remote(shares[k], params, slices[k], self.weights_version, step)
             after = max([time.monotonic()] + [d for v, _, d in pending.values() if v == w])
             pending[k] = (w, ref, after + self.timeout_s if self.timeout_s else math.inf)
 

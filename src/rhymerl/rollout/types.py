@@ -68,7 +68,9 @@ class RolloutPool(Protocol):
 
     weights_version: int
 
-    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams) -> RolloutResult: ...
+    # step: the training step rolled out (from 1; None for validation), for the workers' admission order
+    def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams,
+                step: int | None = None) -> RolloutResult: ...
 
     def load_weights(self, params: dict, version: int) -> None: ...
 

@@ -35,8 +35,10 @@ class WorkerConfig:
     draft_rule: str = "cost"
     history_rollouts: int = 4  # the history replica's budget, as the truth's
     # "fifo": groups enter free slots in the order given; "longest_first": longest predicted first (HistoPipe
-    # inside one worker, from the replica's history), so that the longest requests do not start last. Keyed
-    # randomness makes the tokens the same either way: only the timing changes.
+    # inside one worker, from the replica's history), so that the longest requests do not start last;
+    # "alternate": shortest first on odd training steps, longest first on even ones (HistoPipe across steps,
+    # for rollout.mode=one_step_off; a call without a step number, validation, goes longest first). Keyed
+    # randomness makes the tokens the same in any order: only the timing changes.
     admission: str = "fifo"
 
     def __post_init__(self):
@@ -44,7 +46,7 @@ class WorkerConfig:
             raise ValueError(f"admission must be one of {ADMISSION_ORDERS}, got {self.admission!r}")
 
 
-ADMISSION_ORDERS = ("fifo", "longest_first")
+ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")
 
 
 class RolloutWorker:
@@ -63,13 +65,17 @@ class RolloutWorker:
                              cost_model=cost_model)
         self.weights_version = 0
 
-    def admission_order(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
-        """The order the groups enter the engine's queue (`WorkerConfig.admission`); a group stays together,
-        so that its siblings share their prompt's prefill."""
+    def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
+        """The order the groups enter the engine's queue (`WorkerConfig.admission`; `step`, the training step
+        number as logged, from 1, picks the direction of "alternate"); a group stays together, so that its
+        siblings share their prompt's prefill."""
         if self.config.admission == "fifo":
             return list(groups)
-        predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups])
-        return admission_order(list(groups), predictor.predict_many([g.prompt_ids for g in groups]))
+        predicted = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups]).predict_many(
+            [g.prompt_ids for g in groups])
+        if self.config.admission == "alternate" and step is not None and step % 2 == 1:
+            predicted = [-p for p in predicted]  # shortest first (ties still in arrival order)
+        return admission_order(list(groups), predicted)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
@@ -91,9 +97,10 @@ class RolloutWorker:
             self.engine.cost_model = self.engine.speculator.cost
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
-                weights_version: int) -> tuple[list[RequestOutput], WorkerStats]:
+                weights_version: int, step: int | None = None) -> tuple[list[RequestOutput], WorkerStats]:
         """Every request of `groups` to completion, after bringing the history replica up to date with
-        `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`."""
+        `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`.
+        `step`: the training step the call rolls out (from 1; None for validation), for the admission order."""
         if weights_version != self.weights_version:
             raise StaleWeightsError(f"worker {self.worker_id} holds weights version {self.weights_version}, "
                                     f"the rollout asks for version {weights_version}")
@@ -102,7 +109,7 @@ class RolloutWorker:
         self.engine.stats = EngineStats()
         if self.engine.speculator is not None:
             self.engine.speculator.stats = SpecStats()
-        order = self.admission_order(groups)
+        order = self.admission_order(groups, step)
         prompts = [g.prompt_ids for g in order for _ in g.request_ids]
         ids = [rid for g in order for rid in g.request_ids]
         by_id = {o.request_id: o for o in self.engine.generate(prompts, params, request_ids=ids)}
