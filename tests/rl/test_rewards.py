@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
+import time
 
 import pytest
 
+from rhymerl.config import load_config
 from rhymerl.data.dataset import Example
 from rhymerl.rl.rewards import (
-    RewardFunctionError, RewardScorer, default_score, final_answer, format_reward, load_reward_function,
-    math_reward)
+    RewardFunction, RewardFunctionError, RewardScorer, RewardTimeoutError, default_score, final_answer,
+    format_reward, load_reward_function, load_reward_functions, math_reward, overlong_penalty)
 
 
 @pytest.mark.parametrize("completion, truth", [
@@ -199,3 +202,139 @@ def test_load_reward_function_from_module(tmp_path, monkeypatch):
     finally:
         for name in [n for n in sys.modules if n.startswith("reward_pkg_xyz")]:
             del sys.modules[name]
+
+
+# ---- several functions with weights (TRL's reward_funcs / reward_weights), DAPO's overlong penalty ----------
+
+def test_several_functions_are_a_weighted_sum_with_a_mean_each():
+    def exact(completion, **kw):
+        return float(completion == "4")
+
+    def short(completion, **kw):
+        return 1.0 if len(completion) < 3 else 0.0
+
+    def exact_too(completion, **kw):  # the same __name__ twice gets a suffix
+        return 1.0
+
+    exact_too.__name__ = "exact"
+    scorer = RewardScorer(functions=[RewardFunction(exact, 2.0), RewardFunction(short, -0.5), exact_too])
+    batch = scorer.score(["4", "four"], [example(), example()])
+    assert batch.correct == [2.0 - 0.5 + 1.0, 0.0 + 0.0 + 1.0]
+    assert batch.by_function == {"exact": [1.0, 0.0], "short": [1.0, 0.0], "exact_2": [1.0, 1.0]}
+    assert batch.metrics() == {"critic/rewards/exact/mean": 0.5, "critic/rewards/short/mean": 0.5,
+                               "critic/rewards/exact_2/mean": 1.0, "reward/timeouts": 0}
+    assert batch.metrics("val")["val/rewards/short/mean"] == 0.5
+
+
+def test_a_failing_function_costs_its_part_and_counts_once_per_completion():
+    def good(**kw):
+        return 1.0
+
+    def bad(completion, **kw):
+        if completion == "x":
+            raise KeyError("boom")
+        return 1.0
+
+    batch = RewardScorer(functions=[good, bad]).score(["x", "y"], [example(source="a:1"), example()])
+    assert batch.correct == [1.0, 2.0] and batch.errors == 1
+    assert batch.error_messages == ["a:1: reward bad failed: KeyError: 'boom'"]
+
+
+def test_from_config_loads_functions_and_weights(tmp_path):
+    path = tmp_path / "two.py"
+    path.write_text("def one(**kw):\n    return 1.0\n\ndef half(**kw):\n    return 0.5\n")
+    cfg = load_config(overrides=[f"reward.functions=[{path}:one, {path}:half]", "reward.weights=[1, 4]",
+                                 "reward.format_weight=0", "reward.timeout_s=0"])
+    batch = RewardScorer.from_config(cfg.reward, 16).score(["a"], [example()])
+    assert batch.correct == [3.0] and list(batch.by_function) == ["one", "half"]
+    single = load_config(overrides=[f"reward.function={path}:half", "reward.timeout_s=0"])  # one entry
+    assert RewardScorer.from_config(single.reward, 16).score(["a"], [example()]).correct == [0.5]
+    with pytest.raises(ValueError, match="2 weights for 1 reward functions"):
+        load_reward_functions([f"{path}:one"], [1.0, 2.0])
+
+
+def test_overlong_penalty_is_verls_linear_buffer():
+    # max 20 tokens, buffer 4: no penalty up to 16, then -factor/4 per token down to -factor at 20
+    assert [overlong_penalty(n, 20, 4, 2.0) for n in (10, 16, 17, 18, 20)] == [0.0, 0.0, -0.5, -1.0, -2.0]
+    assert overlong_penalty(20, 20, 0) == 0.0  # off
+    scorer = RewardScorer(format_weight=0.0, overlong_buffer_len=4, max_completion_length=20)
+    batch = scorer.score(["#### 4", "#### 4"], [example(), example()], lengths=[8, 18])
+    assert batch.rewards == [1.0, 0.5] and batch.overlong == [0.0, -0.5]
+    assert batch.metrics()["critic/overlong_penalty/mean"] == -0.25 and batch.metrics()["critic/overlong_frac"] == 0.5
+    with pytest.raises(ValueError, match="needs the completions' token counts"):
+        scorer.score(["#### 4"], [example()])
+    with pytest.raises(ValueError, match="overlong_buffer_len .30. must be at most rollout.max_completion_length"):
+        RewardScorer(overlong_buffer_len=30, max_completion_length=20)
+
+
+# ---- reward.timeout_s: the functions in a worker process, each call limited ----------------------------------
+
+SLOW_REWARDS = '''
+import os, time
+from math_verify import parse, verify
+
+def slow(completion, ground_truth, **kw):
+    if completion == "hang":
+        time.sleep(60)
+    if completion == "raise":
+        raise KeyError("boom")
+    return float(completion == ground_truth)
+
+def accuracy(completion, ground_truth, **kw):  # TRL's accuracy reward: math_verify with its own timeouts
+    return float(verify(parse(ground_truth), parse(completion)))
+
+def pid(**kw):
+    return os.getpid()
+'''
+
+
+def test_a_function_that_does_not_return_scores_zero_and_the_run_goes_on(tmp_path):
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(SLOW_REWARDS)
+    scorer = RewardScorer(functions=load_reward_functions([f"{path}:slow"]), timeout_s=1.0)
+    try:
+        t0 = time.perf_counter()
+        batch = scorer.score(["4", "hang", "raise", "5", "4"], [example(source=f"r{i}") for i in range(5)])
+        assert time.perf_counter() - t0 < 30  # the hung call cost about timeout_s (plus a worker restart)
+        assert batch.correct == [1.0, 0.0, 0.0, 0.0, 1.0]
+        assert batch.errors == 2 and batch.timeouts == 1 and batch.metrics()["reward/timeouts"] == 1
+        assert batch.error_messages == ["r1: reward failed: did not return within reward.timeout_s=1 s",
+                                        "r2: reward failed: KeyError: 'boom'"]
+    finally:
+        scorer.close()
+
+
+def test_a_stuck_function_stops_the_run_with_a_clear_message(tmp_path):
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(SLOW_REWARDS)
+    scorer = RewardScorer(functions=load_reward_functions([f"{path}:slow"]), timeout_s=0.3)
+    with pytest.raises(RewardTimeoutError, match=r"slow' did not return within reward.timeout_s=0.3 s in 3 calls "
+                                                 r"in a row: it looks stuck"):
+        scorer.score(["hang"] * 5, [example()] * 5)
+    assert isinstance(RewardTimeoutError("x"), ValueError)  # the CLI shows it as one line
+    assert scorer.worker._proc is None  # the stuck process was killed
+
+
+def test_the_worker_runs_math_verify_with_its_timeouts_and_leaves_no_process(tmp_path):
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(SLOW_REWARDS)
+    # math_verify's parse refuses to run off the main thread with its default timeout: a thread-based time
+    # limit would score every completion 0 here
+    scorer = RewardScorer(functions=load_reward_functions([f"{path}:accuracy", f"{path}:pid"], [1.0, 0.0]),
+                          timeout_s=30.0)
+    batch = scorer.score(["\\frac{1}{2}", "0.3"], [example("0.5"), example("0.5")])
+    assert batch.by_function["accuracy"] == [1.0, 0.0] and batch.errors == 0
+    child = int(batch.by_function["pid"][0])
+    assert child != os.getpid()
+    proc = scorer.worker._proc
+    scorer.close()
+    assert not proc.is_alive()
+
+
+def test_a_function_given_as_a_closure_needs_no_limit_or_a_spec():
+    def local(**kw):
+        return 1.0
+
+    with pytest.raises(RewardFunctionError, match="cannot be sent to the reward worker process"):
+        RewardScorer(function=local, timeout_s=1.0)
+    assert RewardScorer(function=local, timeout_s=0.0).score(["a"], [example()]).correct == [1.0]

@@ -1,30 +1,35 @@
-"""Rewards for completions: answer correctness, answer format, and user reward functions.
+"""Rewards for completions: answer correctness, answer format, user reward functions, DAPO's overlong penalty.
 
-The reward of a completion is its correctness plus format_weight times its format reward. Correctness comes
-from the user's function when one is given (see `load_reward_function`), else from `default_score`, which
+The reward of a completion is its correctness plus format_weight times its format reward, plus the overlong
+penalty when it is on. Correctness comes from the user's functions when given (TRL's reward_funcs with
+reward_weights: their weighted sum; see `rhymerl.rl.reward_functions`), else from `default_score`, which
 dispatches on the example's data_source as verl's default_compute_score does: countdown equations are checked
 exactly, everything else is compared as a math answer with math_verify.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
 import re
-import sys
 import threading
-import zlib
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from math_verify import parse, verify
 
 from rhymerl.data.dataset import Example
+from rhymerl.rl.reward_functions import (RewardCallError, RewardFunction, RewardFunctionError, RewardTimeoutError,
+                                         RewardWorker, load_reward_function, load_reward_functions,
+                                         named_functions)
 from rhymerl.tasks import countdown
+
+__all__ = [  # load_reward_function and the errors live in rl.reward_functions; importable from here as before
+    "RewardBatch", "RewardFunction", "RewardFunctionError", "RewardScorer", "RewardTimeoutError", "default_score",
+    "final_answer", "format_reward", "load_reward_function", "load_reward_functions", "math_reward",
+    "overlong_penalty",
+]
 
 # math_verify's own timeouts bound a pathological parse or comparison; seconds.
 MATH_VERIFY_TIMEOUT_S = 5
@@ -111,72 +116,24 @@ def default_score(data_source: str, completion: str, ground_truth: str) -> float
     return math_reward(completion, ground_truth)
 
 
-class RewardFunctionError(ValueError):
-    """A reward function spec that cannot be loaded (the message names the spec)."""
-
-
-def load_reward_function(spec: str) -> Callable:
-    """The function named by "package.module:function" or "path/to/file.py:function".
-
-    It is called once per completion with keyword arguments and returns its correctness as a number:
-
-        fn(completion: str, ground_truth: str, data_source: str, prompt: str | list[dict]) -> float
-
-    prompt is the example's text, or its chat messages as [{"role", "content"}, ...]. (verl users: returning
-    a dict with a "score" key, as verl's reward functions may, works too.) Raises RewardFunctionError when the
-    spec is malformed, the module or file cannot be found or imported, or the name is missing or not callable.
-    """
-    target, _, name = spec.rpartition(":")
-    if not target or not name.isidentifier():
-        raise RewardFunctionError(f"reward function {spec!r}: expected 'package.module:function' or "
-                                  f"'path/to/file.py:function'")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _module_from_file(spec, Path(target))
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name == target or target.startswith(f"{e.name}."):
-                raise RewardFunctionError(f"reward function {spec!r}: module {target!r} not found") from None
-            raise RewardFunctionError(f"reward function {spec!r}: importing {target!r} failed: {e}") from e
-        except Exception as e:
-            raise RewardFunctionError(f"reward function {spec!r}: importing {target!r} failed: "
-                                      f"{type(e).__name__}: {e}") from e
-    if not hasattr(module, name):
-        raise RewardFunctionError(f"reward function {spec!r}: {target!r} has no attribute {name!r}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not callable")
-    return fn
-
-
-def _module_from_file(spec: str, path: Path):
-    if not path.is_file():
-        raise RewardFunctionError(f"reward function {spec!r}: file {str(path)!r} not found")
-    # A name of its own per file, registered before running it (dataclasses and pickling look modules up in
-    # sys.modules), without shadowing a real module of the same stem.
-    module_name = f"rhymerl_reward_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward function {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise RewardFunctionError(f"reward function {spec!r}: running {str(path)!r} failed: "
-                                  f"{type(e).__name__}: {e}") from e
-    return module
+def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment, as verl's overlong buffer computes it: 0 up to max_length - buffer_len
+    tokens, then falling linearly to -factor at max_length (min(-(length - (max_length - buffer_len)) /
+    buffer_len * factor, 0)). buffer_len 0 is off (0.0)."""
+    if buffer_len <= 0:
+        return 0.0
+    return min(-(length - (max_length - buffer_len)) / buffer_len * factor, 0.0)
 
 
 @dataclass
 class RewardBatch:
     """Per-completion rewards and their parts, in the order scored.
 
-    reward = correct + format_weight * formatted. errors counts completions whose correctness could not be
-    computed (the function raised or returned a non-number, NaN or inf; their correctness is 0.0);
-    error_messages keeps the first MAX_ERROR_MESSAGES of them.
+    reward = correct + format_weight * formatted + overlong. correct is the weighted sum of the user's
+    functions (`by_function` holds each one's unweighted values, 0.0 where it failed), or `default_score`.
+    errors counts completions whose correctness could not be computed in full (a function raised, returned a
+    non-number, NaN or inf, or did not return within reward.timeout_s; that function's value is 0.0); timeouts
+    counts the calls among those that timed out; error_messages keeps the first MAX_ERROR_MESSAGES messages.
     """
 
     rewards: list[float]
@@ -184,50 +141,127 @@ class RewardBatch:
     formatted: list[float]
     errors: int = 0
     error_messages: list[str] = field(default_factory=list)
+    by_function: dict[str, list[float]] = field(default_factory=dict)
+    overlong: list[float] = field(default_factory=list)  # the overlong penalties (empty when it is off)
+    timeouts: int = 0
+
+    def metrics(self, prefix: str = "critic") -> dict[str, float]:
+        """Means to log: each user function's (unweighted, TRL's rewards/<name>/mean) as
+        `<prefix>/rewards/<name>/mean`, the overlong penalty's as `<prefix>/overlong_penalty/mean` with the share
+        of completions it hit, and the timeouts (`reward/timeouts` for the training prefix "critic", else
+        `<prefix>/reward_timeouts`)."""
+        n = max(len(self.rewards), 1)
+        out = {f"{prefix}/rewards/{name}/mean": sum(v) / n for name, v in self.by_function.items()}
+        if self.overlong:
+            out[f"{prefix}/overlong_penalty/mean"] = sum(self.overlong) / n
+            out[f"{prefix}/overlong_frac"] = sum(p < 0 for p in self.overlong) / n
+        out["reward/timeouts" if prefix == "critic" else f"{prefix}/reward_timeouts"] = self.timeouts
+        return out
+
+
+def _number(value) -> float:
+    """A reward function's return value as a finite float (a verl-style {"score": x} gives x); raises
+    TypeError or ValueError otherwise."""
+    if isinstance(value, dict) and "score" in value:
+        value = value["score"]
+    if not isinstance(value, numbers.Real):  # bools count: `return answer == truth` is natural
+        raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}, not a finite number")
+    return value
 
 
 class RewardScorer:
-    """Scores completions of examples: correctness (the user's function if given, else `default_score`) plus
-    format_weight times `format_reward`. A failing correctness function never stops training: see RewardBatch.
+    """Scores completions of examples: correctness (the user's functions if given, else `default_score`) plus
+    format_weight times `format_reward`, plus DAPO's overlong penalty when overlong_buffer_len > 0. A failing or
+    slow correctness function never stops training (see RewardBatch), except one that is stuck (it timed out
+    MAX_CONSECUTIVE_TIMEOUTS calls in a row: RewardTimeoutError).
+
+    function / functions: the user's reward functions (callables or `RewardFunction`s with weights; `function`
+    is one more at the front). timeout_s > 0 calls them in a worker process with that time limit per call
+    (`rhymerl.rl.reward_functions.RewardWorker`); 0 calls them here, without a limit. The overlong penalty needs
+    max_completion_length, and the completions' token counts in `score`.
     """
 
-    def __init__(self, format_weight: float = 0.0, function: Callable | None = None):
+    def __init__(self, format_weight: float = 0.0, function: Callable | None = None, *,
+                 functions: Sequence[RewardFunction | Callable] = (), timeout_s: float = 0.0,
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0,
+                 max_completion_length: int | None = None):
+        if overlong_buffer_len > 0 and not (max_completion_length and overlong_buffer_len <= max_completion_length):
+            raise ValueError(f"reward.overlong_buffer_len ({overlong_buffer_len}) must be at most "
+                             f"rollout.max_completion_length ({max_completion_length})")
         self.format_weight = format_weight
-        self.function = function
+        self.functions = named_functions(([function] if function is not None else []) + list(functions))
+        self.timeout_s = timeout_s
+        self.overlong_buffer_len = overlong_buffer_len
+        self.overlong_penalty_factor = overlong_penalty_factor
+        self.max_completion_length = max_completion_length
+        self.worker = RewardWorker(self.functions, timeout_s) if timeout_s > 0 and self.functions else None
 
-    def _correctness(self, completion: str, example: Example) -> float:
-        if self.function is None:
-            value = default_score(example.data_source, completion, example.ground_truth)
-        else:
-            prompt = example.prompt if isinstance(example.prompt, str) else example.messages()
-            value = self.function(completion=completion, ground_truth=example.ground_truth,
-                                  data_source=example.data_source, prompt=prompt)
-            if isinstance(value, dict) and "score" in value:
-                value = value["score"]
-        if not isinstance(value, numbers.Real):  # bools count: `return answer == truth` is natural
-            raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"returned {value}, not a finite number")
-        return value
+    @classmethod
+    def from_config(cls, reward, max_completion_length: int) -> "RewardScorer":
+        """The scorer a `RewardSection` describes (reward.function is one entry of reward.functions), for
+        completions of at most max_completion_length tokens. Raises RewardFunctionError for a function that
+        cannot be loaded."""
+        specs = list(reward.functions) or ([reward.function] if reward.function else [])
+        return cls(reward.format_weight, functions=load_reward_functions(specs, reward.weights),
+                   timeout_s=reward.timeout_s, overlong_buffer_len=reward.overlong_buffer_len,
+                   overlong_penalty_factor=reward.overlong_penalty_factor,
+                   max_completion_length=max_completion_length)
 
-    def score(self, completions: list[str], examples: list[Example]) -> RewardBatch:
-        """One reward per completion; completions[i] answers examples[i]. Raises ValueError only when the two
-        lists differ in length."""
-        if len(completions) != len(examples):
-            raise ValueError(f"{len(completions)} completions for {len(examples)} examples; "
-                             f"expected one example per completion")
-        batch = RewardBatch([], [], [])
-        for completion, example in zip(completions, examples):
-            try:
-                correct = self._correctness(completion, example)
-            except Exception as e:  # a user's reward bug costs that sample's reward, not the run
-                correct = 0.0
-                batch.errors += 1
-                if len(batch.error_messages) < MAX_ERROR_MESSAGES:
-                    batch.error_messages.append(f"{example.source}: reward failed: {type(e).__name__}: {e}")
+    def close(self) -> None:
+        """Stop the reward worker process, if any (it also ends with the run)."""
+        if self.worker is not None:
+            self.worker.close()
+
+    def _call(self, index: int, completion: str, example: Example) -> float:
+        prompt = example.prompt if isinstance(example.prompt, str) else example.messages()
+        kwargs = dict(completion=completion, ground_truth=example.ground_truth, data_source=example.data_source,
+                      prompt=prompt)
+        f = self.functions[index]
+        return _number(self.worker.call(index, kwargs) if self.worker is not None else f.fn(**kwargs))
+
+    def score(self, completions: list[str], examples: list[Example],
+              lengths: Sequence[int] | None = None) -> RewardBatch:
+        """One reward per completion; completions[i] answers examples[i] and has lengths[i] tokens (needed by
+        the overlong penalty only). Raises ValueError when the lists differ in length or the penalty has no
+        lengths, and RewardTimeoutError when a function is stuck (see the class docstring)."""
+        if len(completions) != len(examples) or (lengths is not None and len(lengths) != len(completions)):
+            raise ValueError(f"{len(completions)} completions for {len(examples)} examples"
+                             f"{'' if lengths is None else f' and {len(lengths)} lengths'}; expected one example "
+                             f"(and length) per completion")
+        if self.overlong_buffer_len > 0 and lengths is None:
+            raise ValueError("the overlong penalty (reward.overlong_buffer_len > 0) needs the completions' token "
+                             "counts: score(..., lengths=...)")
+        batch = RewardBatch([], [], [], by_function={f.name: [] for f in self.functions})
+        for k, (completion, example) in enumerate(zip(completions, examples)):
+            failed, correct = False, 0.0
+            parts = [(f, i) for i, f in enumerate(self.functions)] or [(None, -1)]
+            for f, i in parts:
+                try:
+                    value = (self._call(i, completion, example) if f is not None else
+                             default_score(example.data_source, completion, example.ground_truth))
+                except RewardTimeoutError:
+                    raise
+                except Exception as e:  # a user's reward bug costs that sample's reward, not the run
+                    value, failed = 0.0, True
+                    batch.timeouts += isinstance(e, RewardCallError) and e.timed_out
+                    if len(batch.error_messages) < MAX_ERROR_MESSAGES:
+                        what = f"reward {f.name} failed" if len(self.functions) > 1 else "reward failed"
+                        why = str(e) if isinstance(e, RewardCallError) else f"{type(e).__name__}: {e}"
+                        batch.error_messages.append(f"{example.source}: {what}: {why}")
+                if f is not None:
+                    batch.by_function[f.name].append(value)
+                correct += value * (f.weight if f is not None else 1.0)
+            batch.errors += failed
             formatted = format_reward(completion)
+            reward = correct + self.format_weight * formatted
+            if self.overlong_buffer_len > 0:
+                batch.overlong.append(overlong_penalty(lengths[k], self.max_completion_length,
+                                                       self.overlong_buffer_len, self.overlong_penalty_factor))
+                reward += batch.overlong[-1]
             batch.correct.append(correct)
             batch.formatted.append(formatted)
-            batch.rewards.append(correct + self.format_weight * formatted)
+            batch.rewards.append(reward)
         return batch
