@@ -6,6 +6,8 @@ write_report(run_dir) draws
     response_length.png  mean and max response length (and the truncated share, if logged)
     speculation.png      speculative decoding: acceptance rate, tokens per forward, rollout tokens/s
     timing.png           seconds per step, stacked by phase (timing_s/*)
+    timeline.png         a Gantt chart of the workers in the last step, and in the slowest when it is another
+                         (RUN_DIR/timeline.jsonl; `rhymerl.histopipe.gantt`, as `bench pipe` draws)
 
 skipping any plot whose metrics were never logged. summary(run_dir) gives the few numbers the CLI prints.
 """
@@ -23,7 +25,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (must follow matplotlib.use)
 
+from rhymerl.histopipe.gantt import gantt_figure  # noqa: E402
 from rhymerl.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from rhymerl.rollout.timeline import TIMELINE_FILE, read_timeline, to_timeline  # noqa: E402
 
 REPORT_DIR = "report"
 
@@ -58,7 +62,26 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         finally:
             plt.close(fig)
         written.append(path)
-    return written
+    timeline = _write_timeline(Path(run_dir), out)
+    return written + ([timeline] if timeline is not None else [])
+
+
+def _write_timeline(run_dir: Path, out: Path) -> Path | None:
+    """timeline.png from run_dir/timeline.jsonl: the last step, and the slowest (longest rollout call) when
+    that is another; None when the run wrote no timeline."""
+    rows = read_timeline(run_dir / TIMELINE_FILE) if (run_dir / TIMELINE_FILE).exists() else []
+    if not rows:
+        return None
+    picked = [(rows[-1], "last step")]
+    slowest = max(rows, key=lambda row: row["span_s"])
+    if slowest["step"] != rows[-1]["step"]:
+        picked.append((slowest, "slowest step"))
+    fig = gantt_figure([to_timeline(row) for row, _ in picked],
+                       [f"step {row['step']} ({why}), {len(row['requests'])} requests" for row, why in picked],
+                       spans=[row["span_s"] for row, _ in picked], worker_labels=[row["workers"] for row, _ in picked])
+    path = out / "timeline.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
 
 
 def summary(run_dir: str | os.PathLike) -> dict:

@@ -83,9 +83,10 @@ def _overrides(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
 
 # Metrics that depend on wall time or speculation, not on what was learned (the rollout's log-probs round
 # differently with drafts; the trainer's do not, so only their difference, a metric, changes; which prompt
-# prefixes are shared depends on which sequences still run when another is admitted).
+# prefixes are shared depends on which sequences still run when another is admitted; the timeline's bubble
+# ratio, finish gap, throughput and per-worker figures are wall times or depend on the worker count).
 _TIMING = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes",
-           "logprob_diff", "prefill_")
+           "logprob_diff", "prefill_", "bubble_ratio", "finish_gap_s", "throughput", "/worker")
 
 
 def _learned(rows: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ Plain functions of a `Timeline`, simulated or measured, so that both are judged 
 - makespan: when the last worker runs out of work;
 - lower bound: no schedule can beat max(the longest request decoded alone, the total work spread over every
   worker at its best throughput);
-- bubble ratio: 1 - busy worker-time / (workers x makespan);
+- bubble ratio: 1 - busy worker-time / (workers x makespan); a measured step uses its call's wall time;
 - finish gap: from the first worker to finish to the last (a worker given nothing finishes at 0);
 - tail time: the time spent on the last 10% of requests to finish (in verl, about half the rollout).
 """
@@ -49,9 +49,11 @@ def busy_time(timeline: Timeline) -> float:
     return sum(end - start for ivs in timeline.busy for start, end in ivs)
 
 
-def bubble_ratio(timeline: Timeline) -> float:
-    """1 - busy worker-time / (workers x makespan): the share of the workers' time spent idle."""
-    span = makespan(timeline)
+def bubble_ratio(timeline: Timeline, span: float | None = None) -> float:
+    """1 - busy worker-time / (workers x span): the share of the workers' time spent idle. `span`: the step's
+    wall time, the makespan by default; a measured step passes its rollout call's, which also counts the time
+    before its workers' first request and after their last (the pool's own overhead)."""
+    span = makespan(timeline) if span is None else span
     if span <= 0 or timeline.num_workers == 0:
         return 0.0
     return 1.0 - busy_time(timeline) / (timeline.num_workers * span)

@@ -39,6 +39,7 @@ from rhymerl.process import deterministic_algorithms, release_freed_memory, setu
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams, WorkerConfig
 from rhymerl.rollout.factory import make_pool
+from rhymerl.rollout.timeline import append_timeline, timeline_metrics
 
 
 def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
@@ -172,7 +173,7 @@ class TrainingRun:
                   f"{prefix}/spec_accepted": sp.accepted, f"{prefix}/spec_mean_accepted_len": sp.mean_accepted_len,
                   f"{prefix}/draft_time_share": sp.draft_s / max(s.busy_s, 1e-9)}
             m |= {f"{prefix}/spec_accepted_{src}": v for src, v in sp.accepted_by_source.items()}
-        return m
+        return m | timeline_metrics(result, prefix)  # bubble ratio, finish gap, per worker, perf/throughput
 
     def _length_report(self, prompts: list[Prompt], group_lengths: list[list[int]]) -> dict:
         """HistoPipe's premise, "lengths rhyme", checked every step: the rank correlation between the mean
@@ -213,6 +214,7 @@ class TrainingRun:
         group_lengths = [[len(o.token_ids) for o in outs[i * G : (i + 1) * G]] for i in range(len(prompts))]
         length_report = self._length_report(prompts, group_lengths)  # before the history learns this step
         self.trace.write(step + 1, [(prompt_key(p.ids), ls) for p, ls in zip(prompts, group_lengths)])
+        append_timeline(self.run_dir, step + 1, result)  # RUN_DIR/timeline.jsonl (resumed runs: see its doc)
         for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
             group = outs[i * G : (i + 1) * G]
             self.pool.record(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])

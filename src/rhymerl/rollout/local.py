@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -23,9 +24,10 @@ class LocalPool:
         self.weights_version = worker.weights_version
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
+        started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         history = self.history.export(g.prompt_ids for g in groups)
         outputs, stats = self.worker.rollout(groups, params, history, self.weights_version, step)
-        return RolloutResult(outputs, [stats], self.weights_version)
+        return RolloutResult(outputs, [stats], self.weights_version, started=started, finished=time.time())
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self.worker.load_weights(params, version)

@@ -190,6 +190,7 @@ class RayPool:
         return False
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
+        started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         live = self.workers
         shares = [[groups[i] for i in share] for share in static_split(len(groups), len(live))]
@@ -235,7 +236,7 @@ class RayPool:
         outputs = [o for k in sorted(done) for o in done[k][0]]
         ran = {stats.worker for _, stats in done.values()}
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
-        return RolloutResult(outputs, stats, self.weights_version)
+        return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them

@@ -25,6 +25,17 @@ class RolloutGroup:
 
 
 @dataclass
+class RequestSpan:
+    """One request's time on a worker: admitted to a slot at `start`, finished at `end` (both `time.time()`,
+    so that the spans of workers in other processes of one machine line up), `tokens` generated."""
+
+    request_id: int | str
+    start: float
+    end: float
+    tokens: int
+
+
+@dataclass
 class WorkerStats:
     """One worker's share of a rollout call."""
 
@@ -35,15 +46,20 @@ class WorkerStats:
     started: float = 0.0  # time.time() when the worker began the call
     finished: float = 0.0  # ... and ended it
     history_prompts_replaced: int = 0  # prompts of its history replica brought up to date by the call
+    spans: list[RequestSpan] = field(default_factory=list)  # its timeline: one per request, in the order given
 
 
 @dataclass
 class RolloutResult:
-    """The outputs of every request, groups in the order given and siblings in order, and per-worker stats."""
+    """The outputs of every request, groups in the order given and siblings in order, and per-worker stats
+    (a worker may appear more than once: a share sent again after a failure). `started` and `finished`: the
+    whole call's wall interval (`time.time()`), stamped by the pool; 0.0 when a pool did not."""
 
     outputs: list[RequestOutput]
     workers: list[WorkerStats]
     weights_version: int
+    started: float = 0.0
+    finished: float = 0.0
 
     def engine_totals(self) -> EngineStats:
         """The workers' engine stats added up."""

@@ -20,7 +20,7 @@ from rhymerl.histospec.stats import SpecStats
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
-from rhymerl.rollout.types import RolloutGroup, StaleWeightsError, WorkerStats
+from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
 
 
 @dataclass
@@ -112,8 +112,13 @@ class RolloutWorker:
         order = self.admission_order(groups, step)
         prompts = [g.prompt_ids for g in order for _ in g.request_ids]
         ids = [rid for g in order for rid in g.request_ids]
+        # The engine times a request from its arrival, when generate queues it, microseconds after wall0:
+        # wall0 + queued_s dates its admission to a slot (never before wall0), wall0 + total_s its end.
+        wall0 = time.time()
         by_id = {o.request_id: o for o in self.engine.generate(prompts, params, request_ids=ids)}
         outputs = [by_id[rid] for g in groups for rid in g.request_ids]  # back in the order given
+        stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
+                       for o in outputs]
         stats.requests = len(ids)
         stats.engine = self.engine.stats
         stats.spec = self.engine.speculator.stats if self.engine.speculator is not None else None
