@@ -57,13 +57,14 @@ class Engine:
     model that HistoSpec otherwise measures at start-up (pass `other.cost_model` to reuse what an engine
     on the same model and slot count measured); `draft_rule` is "cost" (every
     sequence offers a full tree; the step budget alone decides), "aimd" or "doubling" (docs/benchmarks.md
-    compares them).
+    compares them). `reward_aware_drafting`: history branches that higher-reward responses took come first
+    (`rollout.reward_aware_drafting`; the same tokens, other drafts).
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
                  speculative: str = "off", history: HistoryStore | None = None, max_draft_tokens: int = 32,
-                 draft_rule: str = "cost", cost_model: CostModel | None = None):
+                 draft_rule: str = "cost", cost_model: CostModel | None = None, reward_aware_drafting: bool = False):
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
@@ -89,7 +90,7 @@ class Engine:
             # A measured cost model (this engine's, or one another engine measured on the same model and
             # slots) is corrected online; one written by hand is taken as is.
             self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids,
-                                         correct_cost=cost.measured)
+                                         correct_cost=cost.measured, reward_weighted=reward_aware_drafting)
 
     def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
         """Time real verification forwards on free slots (`rhymerl.cost_model.measure`): n sequences, each with

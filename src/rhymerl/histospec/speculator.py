@@ -93,14 +93,18 @@ class Speculator:
     the edge calibration, the step-level pause and the online correction of the cost model."""
 
     def __init__(self, cost: CostModel, history: HistoryStore | None = None, rule: str = "aimd",
-                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4, correct_cost: bool = True):
+                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4, correct_cost: bool = True,
+                 reward_weighted: bool = False):
+        """`reward_weighted`: branches of the history that higher-reward responses took come first (the
+        drafter's reward weighting, `rollout.reward_aware_drafting`); the same tokens either way."""
         self.cost = cost
         self.correct_cost = correct_cost  # learn measured/predicted step time online (see observe_step)
         self.history = history  # the store drafts come from; its indexes, built and cached:
         self.indexes = HistoryIndex(history) if history is not None else None
         self.rule = budget.length_rule(rule, max_draft_tokens)
         self.drafter = Drafter(self.indexes, max_tokens=max_draft_tokens, max_depth=max_draft_tokens,
-                               max_branches=max_branches, max_window=MATCH_WINDOW, eos_token_ids=eos_token_ids)
+                               max_branches=max_branches, max_window=MATCH_WINDOW, eos_token_ids=eos_token_ids,
+                               reward_weighted=reward_weighted)
         self.max_draft_tokens = max_draft_tokens
         self.groups: dict[object, SiblingGroup] = {}  # group key -> the siblings' index
         self.stats = SpecStats()
@@ -165,7 +169,7 @@ class Speculator:
         (time.perf_counter), for its measured time; `batch_done`: no request is left, so the sibling
         indexes, which live as long as the batch, go."""
         for seq, draft, v, new in zip(seqs, drafts, verified, appended):
-            self.record(seq.spec, draft, v.path)
+            self.record(seq.spec, draft, v.path, kept=len(new))
             self.observe(seq.spec, new)
         if batch_done:
             self.groups.clear()
@@ -287,13 +291,17 @@ class Speculator:
         self._ratio[key] = 0.9 * self._ratio.get(key, 1.0) + 0.1 * (seconds / predicted)
         self._pending = None
 
-    def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int]) -> None:
-        """Bookkeeping after verification: stats, calibration and the next draft length."""
+    def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int], kept: int | None = None) -> None:
+        """Bookkeeping after verification: stats, calibration and the next draft length. `kept`: how many
+        tokens the sequence appended (None = all it verified). The statistics count only accepted tokens the
+        output kept: past an EOS or a stop string the output drops them (2026-11-25; they counted before). The
+        calibration and the length rule still learn from every acceptance: they model the verifier."""
         if not draft.tokens:
             return
         n_acc = len(accepted_nodes)
-        self.stats.add(draft, n_acc)
-        spec.stats.add(draft, n_acc)
+        n_kept = n_acc if kept is None else min(n_acc, kept)  # the bonus token, if kept, comes after them
+        self.stats.add(draft, n_kept)
+        spec.stats.add(draft, n_kept)
         self.calibration.update(draft, accepted_nodes)
         spec.length = self.rule.next(spec.length, max(draft.depths()), n_acc)
 

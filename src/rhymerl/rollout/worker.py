@@ -40,6 +40,7 @@ class WorkerConfig:
     # for rollout.mode=one_step_off; a call without a step number, validation, goes longest first). Keyed
     # randomness makes the tokens the same in any order: only the timing changes.
     admission: str = "fifo"
+    reward_aware_drafting: bool = False  # HistoSpec's reward-weighted branch priority (the same tokens)
 
     def __post_init__(self):
         if self.admission not in ADMISSION_ORDERS:
@@ -62,7 +63,7 @@ class RolloutWorker:
         self.engine = Engine(self.model, tokenizer, num_slots=config.num_slots, max_model_len=config.max_model_len,
                              speculative=config.speculative, history=self.history,
                              max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
-                             cost_model=cost_model)
+                             cost_model=cost_model, reward_aware_drafting=config.reward_aware_drafting)
         self.weights_version = 0
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
