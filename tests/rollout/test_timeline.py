@@ -47,7 +47,7 @@ def test_metrics_of_a_hand_made_timeline():
     assert timeline_metrics(hand_made(span=20.0))["rollout/bubble_ratio"] == pytest.approx(1 - 13 / 40)
     # validation's throughput does not overwrite the training rollout's in the step's row
     val = timeline_metrics(hand_made(), "val")
-    assert "perf/throughput" not in val and val["val/perf_throughput"] == pytest.approx(2.5)
+    assert "perf/throughput" not in val and val["val/perf/throughput"] == pytest.approx(2.5)
 
 
 def test_an_idle_worker_counts_and_finishes_at_zero():

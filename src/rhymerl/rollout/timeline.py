@@ -68,7 +68,7 @@ def timeline_metrics(result: RolloutResult, prefix: str = "rollout") -> dict:
     time); a worker is busy while at least one of its requests runs), `{prefix}/finish_gap_s` (from the first
     worker to run out of work to the last), per worker `{prefix}/worker{i}/busy_s`, `.../tokens` and
     `.../requests`, and the generated tokens per second per worker over the call's wall time: verl's name
-    `perf/throughput` for the training rollout (prefix "rollout"), `{prefix}/perf_throughput` for another
+    `perf/throughput` for the training rollout (prefix "rollout"), `{prefix}/perf/throughput` for another
     (validation), which must not overwrite it in the step's row. Nothing for a call of no requests."""
     row = timeline_row(result)
     if not row["requests"] or row["span_s"] <= 0:
@@ -76,7 +76,7 @@ def timeline_metrics(result: RolloutResult, prefix: str = "rollout") -> dict:
     timeline = to_timeline(row)
     span, workers = row["span_s"], row["workers"]
     tokens = sum(r["tokens"] for r in row["requests"])
-    throughput_key = "perf/throughput" if prefix == "rollout" else f"{prefix}/perf_throughput"
+    throughput_key = "perf/throughput" if prefix == "rollout" else f"{prefix}/perf/throughput"
     m = {f"{prefix}/bubble_ratio": bubble_ratio(timeline, span=span), f"{prefix}/finish_gap_s": finish_gap(timeline),
          throughput_key: tokens / (len(workers) * span)}
     for i, w in enumerate(workers):
