@@ -6,16 +6,16 @@ import pytest
 
 from rhymerl.bench import spec_bench
 from rhymerl.cli import main
-from rhymerl.tasks.prompt_file import read_prompt_file
+from rhymerl.tasks.prompt_file import PromptFileError, read_prompt_file
 
 
 def test_prompt_file_errors_name_file_and_line(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n\n{"prompt": 3}\n')
-    with pytest.raises(SystemExit, match=r"p.jsonl:3: field 'prompt'"):
+    with pytest.raises(PromptFileError, match=r"p.jsonl:3: field 'prompt'"):
         read_prompt_file(f)
     f.write_text('{"prompt": "ok"}\n{not json\n')
-    with pytest.raises(SystemExit, match=r"p.jsonl:2: not valid JSON"):
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: not valid JSON"):
         read_prompt_file(f)
     f.write_text('{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}]}\n')
     assert [r.prompt for r in read_prompt_file(f)] == ["a", [{"role": "user", "content": "b"}]]

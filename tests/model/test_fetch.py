@@ -46,7 +46,9 @@ def test_hub_like_id_reports_download_failure(tmp_cache, monkeypatch):
 def test_local_hf_dir_is_returned_as_is(tmp_path):
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
+                                                       "intermediate_size": 8, "num_hidden_layers": 1,
+                                                       "num_attention_heads": 2}))
     assert resolve_model_dir(str(model_dir)) == model_dir
 
 

@@ -141,9 +141,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"{path}: cannot read config file ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the YAML file as "
+                              f"UTF-8") from None
         try:
             # PyYAML, not OmegaConf.load: a str field keeps '1e-5' as written; a float field converts it
             data = yaml.safe_load(text)

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from rhymerl.errors import UserError
 from rhymerl.tasks import arithmetic, countdown
 
 BUILTIN_TASKS = ("arithmetic", "countdown")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file that cannot be read, or a row that is malformed (the message names file:row and field)."""
 
 
@@ -86,6 +87,8 @@ def read_dataset(path, *, skip_malformed: bool = False) -> DatasetFile:
     skip_malformed, which skips it and records the message in `skipped`), or a file with no usable examples.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory; name a dataset file ({', '.join(EXTENSIONS)})")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     suffix = path.suffix.lower()

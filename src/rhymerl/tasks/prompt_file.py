@@ -6,6 +6,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rhymerl.errors import UserError
+
+
+class PromptFileError(UserError):
+    """A prompts file that cannot be read, or a row that is malformed (the message names file:line and field)."""
+
 
 @dataclass(frozen=True)
 class PromptRow:
@@ -19,24 +25,34 @@ def _valid_messages(value) -> bool:
 
 
 def read_prompt_file(path: Path) -> list[PromptRow]:
-    """Rows with a `prompt` (a string or chat messages) or a `question` string. A bad row raises
-    SystemExit naming the file, the line and the field."""
+    """Rows with a `prompt` (a string or chat messages) or a `question` string. A file that cannot be read
+    as UTF-8 text, or a bad row, raises PromptFileError naming the file (and the line and the field)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise PromptFileError(f"{path}: is a directory; --file takes a JSONL file, one {{\"prompt\": ...}} "
+                              f"object a line") from None
+    except OSError as e:
+        raise PromptFileError(f"{path}: cannot read the prompts file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     rows = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise SystemExit(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            raise PromptFileError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
         field = "prompt" if "prompt" in row else "question"
         value = row.get(field)
         if not (isinstance(value, str) or (field == "prompt" and _valid_messages(value))):
-            raise SystemExit(f"{path}:{lineno}: field '{field}' must be a string"
-                             f"{' or a list of {role, content} messages' if field == 'prompt' else ''}, "
-                             f"got {type(value).__name__}")
+            raise PromptFileError(f"{path}:{lineno}: field '{field}' must be a string"
+                                  f"{' or a list of {role, content} messages' if field == 'prompt' else ''}, "
+                                  f"got {type(value).__name__}")
         answer = row.get("answer")
         rows.append(PromptRow(value, answer if isinstance(answer, str) else None))
     return rows
