@@ -17,9 +17,9 @@ from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
     "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS",
-    "ROLLOUT_BACKENDS", "ROLLOUT_MODES", "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError", "DataSection",
-    "ModelSection", "RaySection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig", "TrainSection",
-    "ValSection", "validate",
+    "ROLLOUT_BACKENDS", "ROLLOUT_MODES", "ROLLOUT_SCHEDULES", "SCALE_REWARDS", "SPECULATIVE_MODES", "ConfigError",
+    "DataSection", "ModelSection", "RaySection", "RewardSection", "RolloutSection", "RunSection", "TrainConfig",
+    "TrainSection", "ValSection", "validate",
 ]
 
 # Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so
@@ -33,6 +33,7 @@ LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 ROLLOUT_BACKENDS = ("local", "ray")  # rhymerl.rollout.factory.make_pool builds each
 ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")  # rhymerl.rollout.worker.ADMISSION_ORDERS
+ROLLOUT_SCHEDULES = ("static", "least_loaded", "histopipe")  # rhymerl.rollout.ray_pool.SCHEDULES
 ROLLOUT_MODES = ("sync", "one_step_off")  # rhymerl.rl.loop.TrainingRun runs each
 
 
@@ -206,6 +207,15 @@ class RolloutSection(_Section):
                                 "longest_first = longest predicted length first, from the history (HistoPipe "
                                 "inside a worker; the same tokens, other timing); alternate = shortest first on "
                                 "odd steps, longest first on even ones (for mode=one_step_off)", ADMISSION_ORDERS)
+    # static and off until `rhymerl bench pipe`'s two-worker runs show histopipe / migration ahead (2026-11-25)
+    schedule: str = _opt("static", "backend=ray: how a step's groups are split among the workers (a group stays "
+                         "on one worker): static = equal contiguous shares (verl); least_loaded = request counts "
+                         "balanced (OpenRLHF/slime); histopipe = predicted lengths from the history, balanced on "
+                         "the measured cost model, longest first. The same tokens under each; default static "
+                         "until histopipe is measured to win", ROLLOUT_SCHEDULES)
+    migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes over half of the "
+                           "unfinished requests of one still running, at its next step boundary (re-prefilling "
+                           "them; the same tokens); off until measured to win")
     mode: str = _opt("sync", "sync = each step rolls out on the weights it trains; one_step_off = step t+1 rolls "
                      "out on the workers while step t trains, on weights one step old (backend=ray; not strictly "
                      "on-policy: see train.tis_imp_ratio_cap)", ROLLOUT_MODES)

@@ -20,11 +20,13 @@ from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
 def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder, tokenizer,
               model_dir: str | os.PathLike, worker_config: WorkerConfig, history: HistoryStore, *, seed: int = 0,
               device: str = "cpu", cost_model: CostModel | None = None, max_worker_restarts: int = 3,
-              worker_timeout_s: float = 0.0) -> RolloutPool:
+              worker_timeout_s: float = 0.0, schedule: str = "static", migration: bool = False) -> RolloutPool:
     """The pool of `num_workers` workers on `backend` ('local': in this process, exactly one worker; 'ray':
     one Ray actor each, on the cluster `ray_address` names, '' = a fresh local one). Each worker starts from
     `policy`'s weights (version 0); `history` is the truth the pool ships slices of. Ray workers that fail
-    are restarted up to `max_worker_restarts` times; `worker_timeout_s` > 0 makes an unanswering one a failure."""
+    are restarted up to `max_worker_restarts` times; `worker_timeout_s` > 0 makes an unanswering one a failure.
+    `schedule` (`rollout.schedule`) splits each call's groups among the Ray workers and `migration`
+    (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split."""
     if backend == "local":
         if num_workers != 1:
             raise ValueError(f"rollout.backend=local runs one in-process worker, got rollout.num_workers="
@@ -34,5 +36,5 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
         ray_pool.connect(ray_address)
         return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
                                 device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
-                                max_restarts=max_worker_restarts)
+                                max_restarts=max_worker_restarts, schedule=schedule, migration=migration)
     raise ValueError(f"unknown rollout backend {backend!r} (local or ray)")

@@ -19,8 +19,16 @@ of its own. The only module of rhymerl that imports ray.
   randomness makes them the same tokens, so the call returns every response once, as undisturbed. A
   worker that fails more than `max_restarts` times is dropped and its groups go to the others; the call
   fails only when no worker is left.
-- **Split**: `static_split` (equal contiguous shares, in order); HistoPipe's length-aware schedule plugs in
-  there.
+- **Split** (`rollout.schedule`, 2026-11-25): `histopipe.plan.plan`, the planner the simulator runs too:
+  `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (predicted
+  lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
+  workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole; each worker's list is its admission
+  order. Keyed randomness makes the tokens the same under every schedule.
+- **Migration** (`rollout.migration`, 2026-11-25): when a worker has finished its shares while another still
+  runs one (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its
+  next step boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their
+  prediction) and sends them to the idle one, which re-prefills prompt + generated tokens and decodes on
+  with the same keyed draws. Each response comes back once, as the unmigrated run's.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import RequestOutput
+from rhymerl.engine.sequence import Continuation, RequestOutput
+from rhymerl.histopipe.plan import plan
+from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
@@ -60,9 +70,16 @@ def connect(address: str = "") -> None:
         ray.init(address="local", include_dashboard=False)
 
 
+SCHEDULES = ("static", "least_loaded", "histopipe")  # rollout.schedule: `histopipe.plan.POLICIES` less oracle
+# The plan's cost model when the pool has none and its workers measured none (speculation off): a step of 64
+# sequences costing 3x one of 1, the shape of a small model on a few CPU cores. Only its shape matters to the
+# plan: how much a step slows with the sequences it runs.
+DEFAULT_PLAN_COST = CostModel([1, 64], [1, 2], [[0.010, 0.011], [0.030, 0.050]])
+
+
 def static_split(num_groups: int, num_workers: int) -> list[range]:
-    """Which groups each worker rolls out: equal contiguous shares in order, the first `num_groups %
-    num_workers` workers one group more. (HistoPipe's length-aware schedule replaces this.)"""
+    """Equal contiguous shares in order, the first `num_groups % num_workers` workers one group more, as
+    ranges (`plan(..., "static")` as the pool schedules it)."""
     base, extra = divmod(num_groups, num_workers)
     shares, start = [], 0
     for w in range(num_workers):
@@ -88,7 +105,9 @@ def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str,
         return {name: torch.from_numpy(a).view(dtype) for name, a in weights.items()}
 
 
-@ray.remote
+# `hand_over` runs in a concurrency group of its own, beside a running `rollout` (the default group keeps one
+# thread: a worker's rollouts and weight loads never overlap).
+@ray.remote(concurrency_groups={"handover": 1})
 class WorkerActor:
     """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
     architecture with the weights it is sent."""
@@ -113,8 +132,13 @@ class WorkerActor:
         return version
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
-                weights_version: int, step: int | None = None) -> tuple[list[RequestOutput], WorkerStats]:
-        return self.worker.rollout(groups, params, history, weights_version, step)
+                weights_version: int, step: int | None = None,
+                continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
+        return self.worker.rollout(groups, params, history, weights_version, step, continuations)
+
+    @ray.method(concurrency_group="handover")
+    def hand_over(self, n: int | None = None) -> list[Continuation]:
+        return self.worker.hand_over(n)
 
     def spec_state(self) -> dict | None:
         return self.worker.spec_state()
@@ -127,13 +151,20 @@ class RayPool:
     """`RolloutPool` over `num_workers` Ray actors (see the module doc). `policy`: the model whose weights the
     workers start from (version 0), `model_dir` its architecture; `timeout_s`: how long a worker's share of a
     call may take before the worker counts as dead (None: no limit); `max_restarts`: replacements of one
-    worker, after which it is dropped and the others take its groups. Call `connect` first."""
+    worker, after which it is dropped and the others take its groups; `schedule` (one of SCHEDULES) splits each
+    call's groups, `migration` moves requests to idle workers in the tail (see the module doc). Call `connect`
+    first."""
 
     def __init__(self, policy: Decoder, tokenizer, model_dir: str | os.PathLike, config: WorkerConfig,
                  history: HistoryStore, num_workers: int, seed: int = 0, device: str = "cpu",
-                 cost_model: CostModel | None = None, timeout_s: float | None = None, max_restarts: int = 3):
+                 cost_model: CostModel | None = None, timeout_s: float | None = None, max_restarts: int = 3,
+                 schedule: str = "static", migration: bool = False):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule, self.migration = schedule, migration
+        self.migrations = 0  # requests moved between workers so far (each counted once)
         self.history = history
         self.config = config
         self.timeout_s = timeout_s or None
@@ -146,6 +177,7 @@ class RayPool:
         self._new_actor = WorkerActor.options(num_cpus=cpus, num_gpus=gpus).remote
         self._args = (str(model_dir), ray.put(tokenizer), config, seed, device, self.threads)
         self._cost_model = cost_model
+        self._measured_cost: CostModel | None = None  # a worker's, asked once for the plan (`_plan_cost`)
         self.actors = {w: self._spawn(w) for w in range(num_workers)}  # the live workers, by id
         self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))  # built
 
@@ -193,12 +225,15 @@ class RayPool:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         live = self.workers
-        shares = [[groups[i] for i in share] for share in static_split(len(groups), len(live))]
-        slices = [self.history.export(g.prompt_ids for g in share) for share in shares]
+        # a share: groups (in admission order) and, for a migration, continuations
+        shares: list[tuple[list[RolloutGroup], list[Continuation]]] = [
+            ([groups[i] for i in share], []) for share in self._plan(groups, len(live))]
+        slices = [self.history.export(g.prompt_ids for g in share) for share, _ in shares]
         pending: dict[int, tuple[int, ray.ObjectRef, float]] = {}  # share -> (worker, reply, deadline)
 
         def send(k: int, w: int) -> None:  # a share queued behind another of the same worker waits for it
-            ref = self.actors[w].rollout.remote(shares[k], params, slices[k], self.weights_version, step)
+            share, moved = shares[k]
+            ref = self.actors[w].rollout.remote(share, params, slices[k], self.weights_version, step, moved)
             after = max([time.monotonic()] + [d for v, _, d in pending.values() if v == w])
             pending[k] = (w, ref, after + self.timeout_s if self.timeout_s else math.inf)
 
@@ -213,8 +248,27 @@ class RayPool:
             for k in moved:
                 send(k, w if restarted else least_busy())
 
+        def migrate(idle: int) -> None:  # the step's tail: `idle` has no share left while others run
+            if not self.migration or idle not in self.actors or any(v == idle for v, _, _ in pending.values()):
+                return
+            load = {}  # busy worker -> its pending requests
+            for k, (v, _, _) in pending.items():
+                load[v] = load.get(v, 0) + sum(len(g.request_ids) for g in shares[k][0]) + len(shares[k][1])
+            if not load:
+                return
+            donor = max(sorted(load), key=load.__getitem__)
+            try:
+                moved = ray.get(self.actors[donor].hand_over.remote(), timeout=self.timeout_s)
+            except (RayActorError, GetTimeoutError):
+                return  # the donor's fault is for its rollout call to report
+            if moved:
+                shares.append(([], moved))
+                slices.append(self.history.export(c.prompt_ids for c in moved))
+                send(len(shares) - 1, idle)
+                self.migrations += len(moved)
+
         for k, w in enumerate(live):
-            if shares[k]:
+            if shares[k][0]:
                 send(k, w)
         done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
         while pending:
@@ -230,13 +284,42 @@ class RayPool:
                     del pending[k]
                 except RayActorError as e:
                     failed(pending[k][0], f"died ({type(e).__name__})")
+                else:
+                    migrate(done[k][1].worker)
             late = {w for w, _, d in pending.values() if d <= time.monotonic()}
             for w in sorted(late):
                 failed(w, f"did not answer within {self.timeout_s:g}s")
-        outputs = [o for k in sorted(done) for o in done[k][0]]
+        # A request comes back once; twice only when a worker that handed some over failed afterwards and its
+        # share ran again: the same tokens (keyed randomness), so either copy will do.
+        by_id = {o.request_id: o for k in sorted(done) for o in done[k][0]}
+        missing = [rid for g in groups for rid in g.request_ids if rid not in by_id]
+        if missing:
+            raise RuntimeError(f"rollout: requests {missing[:3]} came back from no worker (every request of a "
+                               f"call must come back once)")
+        outputs = [by_id[rid] for g in groups for rid in g.request_ids]
         ran = {stats.worker for _, stats in done.values()}
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
+
+    def _plan(self, groups: list[RolloutGroup], num_workers: int) -> list[list[int]]:
+        """Each live worker's groups (indices, in admission order) under `self.schedule`."""
+        sizes = [len(g.request_ids) for g in groups]
+        if self.schedule != "histopipe":
+            return plan(sizes, num_workers, self.schedule)
+        prompts = [g.prompt_ids for g in groups]
+        predicted = LengthPredictor.from_history(self.history, prompts).predict_many(prompts)
+        return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.num_slots)
+
+    def _plan_cost(self) -> CostModel:
+        """The cost model `histopipe` plans with: the pool's, else the one the workers measured at start-up
+        (HistoSpec's, asked of one worker once), else `DEFAULT_PLAN_COST`."""
+        if self._cost_model is None and self._measured_cost is None and self.config.speculative != "off":
+            try:
+                state = ray.get(next(iter(self.actors.values())).spec_state.remote(), timeout=self.timeout_s)
+            except (RayActorError, GetTimeoutError):
+                state = None
+            self._measured_cost = CostModel.from_dict(state["cost"]) if state and "cost" in state else None
+        return self._cost_model or self._measured_cost or DEFAULT_PLAN_COST
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -13,11 +14,11 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import RequestOutput
+from rhymerl.engine.sequence import Continuation, RequestOutput, Status
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histospec.stats import SpecStats
-from rhymerl.history import HistoryStore
+from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
@@ -50,6 +51,15 @@ class WorkerConfig:
 ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")
 
 
+class _HandoverRequest:
+    """One `RolloutWorker.hand_over` call waiting for the generating thread's next step boundary."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+        self.taken: list[Continuation] = []
+        self.done = threading.Event()
+
+
 class RolloutWorker:
     """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
     (copied, in `config.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
@@ -65,6 +75,12 @@ class RolloutWorker:
                              max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
                              cost_model=cost_model, reward_aware_drafting=config.reward_aware_drafting)
         self.weights_version = 0
+        # Migration (2026-11-25): another thread's `hand_over` leaves a request here; the thread running
+        # `rollout` serves it between two engine steps (`_serve_handover`).
+        self._handover_lock = threading.Lock()
+        self._handover: _HandoverRequest | None = None
+        self._generating = False
+        self._predicted: dict[str, float] = {}  # prompt key -> predicted length, for the running call
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
         """The order the groups enter the engine's queue (`WorkerConfig.admission`; `step`, the training step
@@ -98,10 +114,13 @@ class RolloutWorker:
             self.engine.cost_model = self.engine.speculator.cost
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
-                weights_version: int, step: int | None = None) -> tuple[list[RequestOutput], WorkerStats]:
+                weights_version: int, step: int | None = None,
+                continuations: Sequence[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
         """Every request of `groups` to completion, after bringing the history replica up to date with
         `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`.
-        `step`: the training step the call rolls out (from 1; None for validation), for the admission order."""
+        `step`: the training step the call rolls out (from 1; None for validation), for the admission order.
+        `continuations`: requests another worker handed over (`hand_over`), adopted after the groups; their
+        outputs come after the groups'. A request this worker hands over meanwhile has no output here."""
         if weights_version != self.weights_version:
             raise StaleWeightsError(f"worker {self.worker_id} holds weights version {self.weights_version}, "
                                     f"the rollout asks for version {weights_version}")
@@ -116,12 +135,71 @@ class RolloutWorker:
         # The engine times a request from its arrival, when generate queues it, microseconds after wall0:
         # wall0 + queued_s dates its admission to a slot (never before wall0), wall0 + total_s its end.
         wall0 = time.time()
-        by_id = {o.request_id: o for o in self.engine.generate(prompts, params, request_ids=ids)}
-        outputs = [by_id[rid] for g in groups for rid in g.request_ids]  # back in the order given
+        by_id = {o.request_id: o for o in self._generate(prompts, params, ids, list(continuations))}
+        given = [rid for g in groups for rid in g.request_ids] + [c.request_id for c in continuations]
+        # back in the order given; what was handed over (hand_over) is the adopting worker's to return
+        outputs = [by_id[rid] for rid in given if rid in by_id]
         stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
                        for o in outputs]
-        stats.requests = len(ids)
+        stats.requests = len(outputs)
         stats.engine = self.engine.stats
         stats.spec = self.engine.speculator.stats if self.engine.speculator is not None else None
         stats.finished = time.time()
         return outputs, stats
+
+    # ---- migration (2026-11-25) -------------------------------------------------------------------------
+    def hand_over(self, n: int | None = None, timeout: float = 60.0) -> list[Continuation]:
+        """Called from another thread while `rollout` runs: at the engine's next step boundary, take up to `n`
+        unfinished requests out of it (default: half of them; it always keeps one) and return them as
+        continuations for another worker to adopt. Waiting requests go first, from the back of the queue
+        (they would start last, and carry no generated tokens to re-prefill), then running ones furthest past
+        their predicted length. [] when no rollout runs (it ended meanwhile) or within `timeout` seconds
+        no step boundary came."""
+        request = _HandoverRequest(n)
+        with self._handover_lock:
+            if not self._generating:
+                return []
+            self._handover = request
+        if not request.done.wait(timeout):
+            with self._handover_lock:
+                if self._handover is request:  # not picked up: withdrawn
+                    self._handover = None
+                    return []
+            request.done.wait()  # picked up just now: its extraction is under way
+        return request.taken
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, ids: list,
+                  continuations: list[Continuation]) -> list[RequestOutput]:
+        """`engine.generate`, serving `hand_over` between its steps."""
+        if not prompts and not continuations:
+            return []
+        keys = {prompt_key(p) for p in prompts} | {prompt_key(c.prompt_ids) for c in continuations}
+        predictor = LengthPredictor.from_history(self.history, list(keys))
+        self._predicted = {k: predictor.predict(k) for k in keys}
+        with self._handover_lock:
+            self._generating = True
+        try:
+            return self.engine.generate(prompts, params, request_ids=ids, continuations=continuations,
+                                        between_steps=self._serve_handover)
+        finally:
+            with self._handover_lock:
+                self._generating = False
+                request, self._handover = self._handover, None
+            if request is not None:  # the call ended before its next step: nothing to hand over
+                request.done.set()
+
+    def _serve_handover(self) -> None:
+        with self._handover_lock:
+            request, self._handover = self._handover, None
+        if request is None:
+            return
+        try:
+            unfinished = self.engine.unfinished()  # waiting in queue order, then running
+            n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
+            waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
+            running = sorted((q for q in unfinished if q.status != Status.WAITING),
+                             key=lambda q: self._predicted.get(prompt_key(q.prompt_ids), 0.0) - len(q.output_ids))
+            request.taken = [self.engine.extract(q.request_id) for q in (waiting + running)[:max(n, 0)]]
+        finally:
+            request.done.set()
+
