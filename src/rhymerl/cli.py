@@ -103,7 +103,8 @@ def cmd_bench_spec(args) -> int:
     summary = spec_bench.run(args.model, args.dtype, [float(t) for t in args.temperatures.split(",")],
                              args.num_prompts, args.num_generations, args.slots, args.max_tokens, args.data,
                              args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
-                             args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds, args.device)
+                             args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds, args.device,
+                             reward_aware=args.reward_aware)
     spec_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")
     bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
                     help="draft from a training run's saved history (and use its policy and prompts)")
+    bs.add_argument("--reward-aware", action="store_true",
+                    help="HistoSpec drafts reward-aware (rollout.reward_aware_drafting): branches of higher-reward "
+                         "responses first; with --history-from, whose history carries the run's rewards")
     bs.add_argument("--device", default=None, help=DEVICE_HELP)
     bs.set_defaults(func=cmd_bench_spec)
     bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, and one real worker's "

@@ -13,8 +13,11 @@ what a perfect drafter would gain, by the forward costs measured at start-up (`C
 full batch and the tail.
 
 With `history_from=RUN_DIR` the history is a real training run's instead: the policy and the history store of
-the run's latest checkpoint, and the prompts it holds (the run's training and validation prompts); epoch 2 is
-then the run's next epoch.
+the run's latest checkpoint (its history.json and Hugging Face weights only: nothing there is unpickled), and
+the prompts it holds (the run's training and validation prompts); epoch 2 is then the run's next epoch. That
+history carries the run's rewards, so `reward_aware=True` (`--reward-aware`) measures reward-aware drafting
+(`rollout.reward_aware_drafting`) against the same figures without it; the bench's own history has no rewards
+(every response weighs 1), where the two draft alike.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rhymerl.bench.console import device_fields, table_console
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
-from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
+from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.history import HistoryStore
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
@@ -47,6 +50,25 @@ def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[in
     else:
         texts = [row.prompt for row in read_prompt_file(Path(data))][:n]
     return [chat_prompt_ids(tokenizer, t) for t in texts]
+
+
+def history_of_run(run_dir: str | Path) -> tuple[HistoryStore, Path]:
+    """The history store of a training run's latest checkpoint, and that checkpoint's directory. Only its
+    history.json is read (2026-11-25): the checkpoint's trainer.pt, a pickle, is never loaded here. Raises
+    FileNotFoundError without a checkpoint or history, ValueError for a file that is not a history store."""
+    ckpt = latest_checkpoint(Path(run_dir))
+    if ckpt is None:
+        raise FileNotFoundError(f"--history-from {run_dir}: no checkpoint in {Path(run_dir) / 'checkpoints'}")
+    path = ckpt / "history.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--history-from {run_dir}: {ckpt} has no history.json")
+    history = HistoryStore()
+    try:
+        history.load(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        why = f"{path} is not a history store ({type(e).__name__}: {e})"
+        raise ValueError(f"--history-from {run_dir}: {why}") from None
+    return history, ckpt
 
 
 def rollout(engine: Engine, prompts: list[list[int]], num_generations: int, params: SamplingParams):
@@ -114,21 +136,15 @@ def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float)
 
 def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=3, epoch_seeds=1, device=None) -> dict:
+        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=3, epoch_seeds=1, device=None,
+        reward_aware=False) -> dict:
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if epoch_seeds < 1:
         raise ValueError(f"--epoch-seeds must be >= 1, got {epoch_seeds}")
     run_history = None
     if history_from is not None:
-        ckpt = latest_checkpoint(Path(history_from))
-        if ckpt is None:
-            raise FileNotFoundError(f"--history-from {history_from}: no checkpoint in {Path(history_from) / 'checkpoints'}")
-        history_state = load_checkpoint(ckpt)[2]
-        if history_state is None:
-            raise FileNotFoundError(f"--history-from {history_from}: {ckpt} has no history.json")
-        run_history = HistoryStore()
-        run_history.load_state_dict(history_state)
+        run_history, ckpt = history_of_run(history_from)
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
@@ -152,7 +168,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         key = (id(m), n_slots, length)
         engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
                         history=history, draft_rule=draft_rule, max_draft_tokens=max_draft_tokens,
-                        cost_model=costs.get(key))
+                        cost_model=costs.get(key), reward_aware_drafting=reward_aware)
         if spec == "histospec":
             costs.setdefault(key, engine.cost_model)
         return engine
@@ -268,7 +284,8 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
               f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
-            "max_tokens": max_tokens, "draft_rule": draft_rule, "repeats": repeats,
+            "max_tokens": max_tokens, "draft_rule": draft_rule, "reward_aware_drafting": reward_aware,
+            "repeats": repeats,
             "epoch_seeds": epoch_seeds, "ceiling": ceiling,
             "data": f"history-from:{history_from}" if history_from else data or "builtin:arithmetic",
             "temperatures": results}
