@@ -4,6 +4,7 @@ FIFO vs longest-first runs on a tiny random model (same tokens either way)."""
 
 import json
 import random
+import shutil
 
 import pytest
 
@@ -111,3 +112,35 @@ def test_real_runs_fifo_vs_longest_first_give_the_same_tokens():
     for mode in ("fifo", "longest_first"):
         assert real[mode]["median_s"] > 0 and len(real[mode]["runs_s"]) == 2
     assert real["prompts"] == 4 and real["tokens"] > 0 and real["speedup"] > 0
+
+
+@pytest.fixture
+def ray_cluster(tmp_path_factory, monkeypatch):
+    """A real local Ray cluster for one test, everything under a short temp folder (its socket paths must fit
+    108 bytes), no token file (as tests/rollout/test_ray_pool.py)."""
+    import ray
+
+    temp = tmp_path_factory.mktemp("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
+             _temp_dir=str(temp), log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_two_ray_workers_run_every_schedule_with_the_same_tokens(ray_cluster, capsys):
+    """Part (b) on two Ray workers (2026-11-25): static, least_loaded, histopipe and histopipe with migration
+    on the same groups, each twice; the figures' shape, the same tokens, and the table."""
+    model_dir, _ = tiny_checkpoint("llama")
+    real = pipe_bench.run_ray(model_dir, random_prompts(6, seed=5), num_generations=2, slots=2, max_tokens=16,
+                              repeats=2, dtype="fp32", device="cpu", speculative="histospec", cost_model=COST)
+    assert real["identical"] is True and real["workers"] == 2 and real["tokens"] > 0
+    for name, _, _ in pipe_bench.RAY_VARIANTS:
+        r = real[name]
+        assert r["makespan_s"] > 0 and len(r["runs_s"]) == 2 and 0 <= r["bubble"] < 1 and r["finish_gap_s"] >= 0
+        assert r["speedup_vs_static"] > 0
+        assert r["migrations"] == 0 or name == "histopipe+migration"
+    assert real["static"]["speedup_vs_static"] == 1.0
+    pipe_bench.print_real_tables({**real, "one_worker": None}, pipe_bench.table_console())
+    assert "2 Ray workers" in capsys.readouterr().out

@@ -17,7 +17,11 @@ share of `oracle` (oracle makespan / histopipe makespan).
 arithmetic prompts. A first epoch (FIFO, its own seed) is recorded into the history so that predictions
 exist; then the second epoch's groups run with `admission="fifo"` and `"longest_first"`, alternating
 `repeats` times with the same request ids and seed, the median rollout seconds of each reported, and the
-tokens checked identical (keyed randomness: only the timing may change).
+tokens checked identical (keyed randomness: only the timing may change). Then (`run_ray`, 2026-11-25) two Ray
+workers (`RayPool`) on the same prompts: a first epoch recorded, then every schedule of `rollout.schedule`
+(static, least_loaded, histopipe) and histopipe with migration on the second epoch's groups, `repeats`
+rounds in rotating order, the median makespan (the call's wall time), bubble ratio (1 - the workers' busy
+time / (workers x makespan)) and finish gap of each, tokens checked identical across all of them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
+from rhymerl.bench.progress import Progress
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.metrics import summary as step_summary
 from rhymerl.histopipe.plan import POLICIES
@@ -247,29 +252,138 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     return out
 
 
+# (name, rollout.schedule, rollout.migration)
+RAY_VARIANTS = (("static", "static", False), ("least_loaded", "least_loaded", False),
+                ("histopipe", "histopipe", False), ("histopipe+migration", "histopipe", True))
+
+
+def call_figures(result, seconds: float) -> dict:
+    """A two-worker call's timing: makespan (its wall seconds), bubble ratio (1 - the workers' busy seconds /
+    (workers x makespan)) and finish gap (first to last worker finish), from the workers' stamps."""
+    busy, ends = {}, {}
+    for w in result.workers:
+        if w.finished > w.started > 0:
+            busy[w.worker] = busy.get(w.worker, 0.0) + w.finished - w.started
+            ends[w.worker] = max(ends.get(w.worker, 0.0), w.finished)
+    workers = max(len(busy), 1)
+    totals = result.engine_totals()
+    return {"makespan_s": seconds, "bubble": max(0.0, 1 - sum(busy.values()) / (workers * seconds)),
+            "finish_gap_s": max(ends.values()) - min(ends.values()) if ends else 0.0,
+            "migrations": totals.migrations, "migration_prefill_s": totals.migration_prefill_s}
+
+
+def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_workers: int = 2,
+            num_prompts: int = 16, num_generations: int = 4, slots: int = 16, max_tokens: int = 128,
+            temperature: float = 1.0, repeats: int = 3, seed: int = 0, dtype: str = "auto",
+            device: str | None = None, speculative: str = "histospec", cost_model: CostModel | None = None,
+            variants: Sequence[tuple[str, str, bool]] = RAY_VARIANTS) -> dict:
+    """Part (b), two Ray workers: every schedule (and histopipe with migration) on the same groups (see the
+    module doc). Arguments as `run_real`'s; a Ray cluster is started for this process unless it is already
+    connected to one."""
+    import torch
+
+    from rhymerl.engine.sampling_params import SamplingParams
+    from rhymerl.history import HistoryStore
+    from rhymerl.model.fetch import resolve_model_dir
+    from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
+    from rhymerl.model.weights import load_decoder
+    from rhymerl.rollout import RolloutGroup, WorkerConfig
+    from rhymerl.rollout.factory import make_pool
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = device or default_device()
+    dtype = resolve_dtype(dtype, device)
+    if prompts is None:
+        policy, tokenizer, model_dir = load_pretrained(model, "fp32", device)
+        prompts = arithmetic_prompts(tokenizer, num_prompts, seed)
+    else:
+        model_dir = resolve_model_dir(model)
+        policy, tokenizer = load_decoder(model_dir, torch.float32, device), None
+        prompts = [list(p) for p in prompts]
+    config = WorkerConfig(num_slots=slots, max_model_len=max(map(len, prompts)) + max_tokens + 1, dtype=dtype,
+                          speculative=speculative)
+    pool = make_pool("ray", num_workers, "", policy, tokenizer, model_dir, config, HistoryStore(), seed=seed,
+                     device=device, cost_model=cost_model)
+    try:
+        def groups(tag: str) -> list:
+            return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(num_generations)])
+                    for i, p in enumerate(prompts)]
+
+        first = pool.rollout(groups("e1"), SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                          seed=seed + 1000))
+        for i, p in enumerate(prompts):  # epoch 1 gives histopipe its predictions
+            pool.record(p, [o.token_ids for o in first.outputs[i * num_generations:(i + 1) * num_generations]])
+        _log(f"real, {num_workers} Ray workers: epoch 1 recorded")
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + 2000)
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+        reference, identical = None, True
+        for r in range(repeats):
+            for name, schedule, migration in variants[r % len(variants):] + variants[:r % len(variants)]:
+                pool.schedule, pool.migration = schedule, migration
+                t0 = time.perf_counter()
+                result = pool.rollout(groups("e2"), params)
+                runs[name].append(call_figures(result, time.perf_counter() - t0))
+                got = [o.token_ids for o in result.outputs]
+                reference = got if reference is None else reference
+                identical &= got == reference
+                _log(f"real, {num_workers} Ray workers: repeat {r + 1}/{repeats} {name}: "
+                     f"{runs[name][-1]['makespan_s']:.2f} s, {runs[name][-1]['migrations']} migrations")
+    finally:
+        pool.close()
+    if not identical:
+        _log("real: WARNING: the schedules generated different tokens")
+    out = {}
+    for name, rs in runs.items():
+        out[name] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
+        out[name]["runs_s"] = [x["makespan_s"] for x in rs]
+    for name in out:
+        out[name]["speedup_vs_static"] = out["static"]["makespan_s"] / out[name]["makespan_s"] \
+            if "static" in out else None
+    out = _rounded(out)
+    out.update({"identical": identical, "workers": num_workers, "model": str(model), "dtype": dtype,
+                "device": str(device), "prompts": len(prompts), "num_generations": num_generations, "slots": slots,
+                "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats,
+                "speculative": speculative, "tokens": sum(map(len, reference))})
+    return out
+
+
 # ------------------------------------------------------------------------------------------- the bench
 
 def run(trace: str | Path | None = None, cost_from: str = "measure", model: str = "smollm2-135m",
         dtype: str = "auto", device: str | None = None, workers: Sequence[int] = DEFAULT_WORKERS, slots: int = 32,
         real: bool = True, repeats: int = 3, real_prompts: int = 16, num_generations: int = 4,
-        real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0) -> dict:
-    """The whole bench: the summary dict whose JSON is the bench's last line."""
+        real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
+        ray_workers: int = 2) -> dict:
+    """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
+    holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
+    "one_worker", one worker's FIFO vs longest-first (`run_real`)."""
     trace = Path(trace) if trace is not None else DEFAULT_TRACE
     if not trace.exists():
         raise FileNotFoundError(f"--trace {trace}: no such file or run directory")
+    progress = Progress("pipe", (cost_from == "measure") + 1 + real * (1 + (ray_workers > 0)))
     if cost_from == "measure":
-        _log(f"measuring the cost model on {model} ({slots} slots)")
+        progress.stage(f"measuring the cost model on {model} ({slots} slots)")
         cost_model = measure_cost_model(model, dtype, device, slots)
     else:
         cost_model = load_cost_model(cost_from)
-    _log(f"simulating {trace} at {', '.join(map(str, workers))} workers")
+    progress.stage(f"simulating {trace} at {', '.join(map(str, workers))} workers")
     sim = simulate_trace(trace, cost_model, workers, slots, seed=seed)
     summary = {"sim": sim.pop("workers"), "sim_info": {**sim, "slots": slots, "mode": "sync"},
                "trace": str(trace), "cost_from": str(cost_from), "cost_model": cost_model.as_dict()}
     if real:
-        summary["real"] = run_real(model, num_prompts=real_prompts, num_generations=num_generations,
-                                   slots=real_slots, max_tokens=max_tokens, temperature=temperature,
-                                   repeats=repeats, seed=seed, dtype=dtype, device=device)
+        progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
+        one = run_real(model, num_prompts=real_prompts, num_generations=num_generations, slots=real_slots,
+                       max_tokens=max_tokens, temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
+                       device=device)
+        summary["real"] = {"one_worker": one}
+        if ray_workers > 0:
+            progress.stage(f"{ray_workers} Ray workers: epoch 1, then every schedule x {repeats}")
+            summary["real"] |= run_ray(model, num_workers=ray_workers, num_prompts=real_prompts,
+                                       num_generations=num_generations, slots=real_slots, max_tokens=max_tokens,
+                                       temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
+                                       device=device)
+    progress.done()
     return summary
 
 
@@ -292,7 +406,26 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                       f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-",
                       f"{r['share_of_oracle']:.3f}" if "share_of_oracle" in r else "-")
     console.print(t)
-    real = summary.get("real")
+    print_real_tables(summary.get("real"), console)
+
+
+def print_real_tables(real: dict | None, console: Console) -> None:
+    """The real runs' tables: the Ray workers' schedules (when run), then one worker's admission orders."""
+    if real and "static" in real:
+        t = Table(title=f"{real['workers']} Ray workers: {real['model']} {real['dtype']}, {real['prompts']} prompts "
+                        f"x {real['num_generations']}, {real['slots']} slots each, max_tokens={real['max_tokens']}, "
+                        f"{real['repeats']} repeats, identical tokens: {real['identical']}")
+        for c in ("schedule", "makespan s", "runs s", "bubble", "finish gap s", "migrations", "re-prefill s",
+                  "vs static"):
+            t.add_column(c, justify="right")
+        for name, _, _ in RAY_VARIANTS:
+            if name in real:
+                r = real[name]
+                t.add_row(name, f"{r['makespan_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs_s"]),
+                          f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}", f"{r['migrations']:g}",
+                          f"{r['migration_prefill_s']:.3f}", f"{r['speedup_vs_static']:.3f}x")
+        console.print(t)
+    real = (real or {}).get("one_worker")
     if real:
         t = Table(title=f"One real worker: {real['model']} {real['dtype']}, {real['prompts']} prompts x "
                         f"{real['num_generations']}, {real['slots']} slots, max_tokens={real['max_tokens']}, "
