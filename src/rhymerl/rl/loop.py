@@ -104,7 +104,8 @@ class TrainingRun:
         self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
                               cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
-                              worker_timeout_s=cfg.rollout.worker_timeout_s)
+                              worker_timeout_s=cfg.rollout.worker_timeout_s, schedule=cfg.rollout.schedule,
+                              migration=cfg.rollout.migration)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
 
@@ -166,7 +167,9 @@ class TrainingRun:
              f"{prefix}/tokens_per_forward": s.tokens_per_seq_forward,
              f"{prefix}/forward_passes": s.forward_passes,
              # prompt tokens computed, and those copied from a sequence holding the same prefix
-             f"{prefix}/prefill_tokens": s.prompt_tokens, f"{prefix}/prefill_shared_tokens": s.shared_prompt_tokens}
+             f"{prefix}/prefill_tokens": s.prompt_tokens, f"{prefix}/prefill_shared_tokens": s.shared_prompt_tokens,
+             # requests moved between workers (rollout.migration) and their re-prefill's share of forward time
+             f"{prefix}/migrations": s.migrations, f"{prefix}/migration_prefill_s": s.migration_prefill_s}
         sp = result.spec_totals()
         if sp is not None:
             m |= {f"{prefix}/spec_accept_rate": sp.accept_rate, f"{prefix}/spec_drafted": sp.drafted,
