@@ -120,3 +120,43 @@ def test_spec_state_is_plain_data_that_a_new_pool_restores(policy):
                                                              speculative="off"), cost_model=FLAT), HistoryStore())
     assert off.spec_state() == [None]
     off.load_spec_state(state)  # nothing to restore into: ignored
+
+
+def test_an_exception_inside_the_worker_rebuilds_it_and_loses_nothing(policy, monkeypatch):
+    """A fault inside the worker's rollout (its engine raises on its third step, slots held, the call half
+    done): the pool rebuilds the worker on the current weights and runs the groups again, and the call returns
+    what an undisturbed one does. A worker that keeps failing stops the call past rollout.max_worker_restarts,
+    with a message naming the key and the fault as its cause."""
+    prompts = random_prompts(3, seed=12)
+    halved = {name: p.detach() * 0.5 for name, p in policy.named_parameters()}
+    undisturbed = make_pool(policy)
+    undisturbed.load_weights(halved, version=1)
+    expected = undisturbed.rollout(groups(prompts), PARAMS)
+    pool = make_pool(policy)
+    pool.load_weights(halved, version=1)  # the rebuilt worker must hold these, not the initial weights
+    failing, steps = pool.worker, []
+
+    def step_failing_once():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("injected fault")
+        return Engine.step(failing.engine)
+
+    failing.engine.step = step_failing_once
+    result = pool.rollout(groups(prompts), PARAMS)
+    assert len(steps) == 3 and pool.restarts == [1]  # it failed mid-call, once
+    assert pool.worker is not failing and pool.worker.weights_version == 1
+    assert [o.request_id for o in result.outputs] == [o.request_id for o in expected.outputs]
+    assert [o.token_ids for o in result.outputs] == [o.token_ids for o in expected.outputs]
+    assert [x for o in result.outputs for x in o.logprobs] == \
+        pytest.approx([x for o in expected.outputs for x in o.logprobs], abs=1e-5)
+    assert result.engine_totals().generated_tokens == expected.engine_totals().generated_tokens
+
+    def always_failing(self):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(Engine, "step", always_failing)
+    pool.max_restarts = 2  # one more rebuild, then none left
+    with pytest.raises(RuntimeError, match=r"injected fault.*rollout\.max_worker_restarts") as err:
+        pool.rollout(groups(prompts), PARAMS)
+    assert pool.restarts == [2] and str(err.value.__cause__) == "injected fault"

@@ -198,9 +198,10 @@ class RolloutSection(_Section):
     num_workers: int = _opt(1, "rollout workers, each an engine with its HistoSpec state (> 1 needs "
                             "backend=ray); the CPU cores are divided among them, on CUDA each takes one GPU",
                             check=">= 1")
-    max_worker_restarts: int = _opt(3, "backend=ray: times a failed worker (its actor died or did not answer) is "
-                                    "restarted, its requests run again; past it the worker is dropped and the "
-                                    "others take its requests", check=">= 0")
+    max_worker_restarts: int = _opt(3, "times a failed rollout worker is restarted and its requests run again "
+                                    "(ray: its actor died or did not answer; local: its rollout raised); past it "
+                                    "the worker is dropped and the others take its requests, and with none left "
+                                    "the run stops", check=">= 0")
     worker_timeout_s: float = _opt(0.0, "backend=ray: seconds a worker's share of a rollout, or a weight load, "
                                    "may take before the worker counts as failed (0 = no limit)", check=">= 0")
     admission_order: str = _opt("fifo", "order in which a worker's groups enter its slots: fifo = as given; "

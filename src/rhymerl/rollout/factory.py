@@ -23,15 +23,17 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
               worker_timeout_s: float = 0.0, schedule: str = "static", migration: bool = False) -> RolloutPool:
     """The pool of `num_workers` workers on `backend` ('local': in this process, exactly one worker; 'ray':
     one Ray actor each, on the cluster `ray_address` names, '' = a fresh local one). Each worker starts from
-    `policy`'s weights (version 0); `history` is the truth the pool ships slices of. Ray workers that fail
-    are restarted up to `max_worker_restarts` times; `worker_timeout_s` > 0 makes an unanswering one a failure.
+    `policy`'s weights (version 0); `history` is the truth the pool ships slices of. Workers that fail (a Ray
+    actor that dies, a local worker whose rollout raises) are restarted up to `max_worker_restarts` times;
+    `worker_timeout_s` > 0 makes an unanswering Ray worker a failure.
     `schedule` (`rollout.schedule`) splits each call's groups among the Ray workers and `migration`
     (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split."""
     if backend == "local":
         if num_workers != 1:
             raise ValueError(f"rollout.backend=local runs one in-process worker, got rollout.num_workers="
                              f"{num_workers}: set rollout.backend=ray for several")
-        return LocalPool(RolloutWorker(policy, tokenizer, worker_config, cost_model=cost_model), history)
+        return LocalPool(RolloutWorker(policy, tokenizer, worker_config, cost_model=cost_model), history,
+                         max_restarts=max_worker_restarts)
     if backend == "ray":
         ray_pool.connect(ray_address)
         return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,

@@ -1,7 +1,16 @@
-"""The in-process rollout pool: one worker, no services (the default, `rollout.backend=local`)."""
+"""The in-process rollout pool: one worker, no services (the default, `rollout.backend=local`).
+
+Faults (2026-11-25): an exception inside the worker's rollout leaves its engine in an unknown state (slots
+held, a half-built step), so the pool rebuilds the worker (`RolloutWorker` on the failed one's model, i.e.
+the current weights, and its cost model; a fresh engine, HistoSpec state and history replica, as a Ray
+worker restarted after a failure) and runs the call's groups again: keyed randomness makes them the same
+tokens. Past `max_restarts` rebuilds (`rollout.max_worker_restarts`) no worker is left and the call raises.
+A `StaleWeightsError` is the caller's mistake, not a fault: it is raised at once.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Sequence
 
@@ -9,25 +18,50 @@ import torch
 
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.history import HistoryStore
-from rhymerl.rollout.types import RolloutGroup, RolloutResult
+from rhymerl.rollout.types import RolloutGroup, RolloutResult, StaleWeightsError
 from rhymerl.rollout.worker import RolloutWorker
 
 
 class LocalPool:
     """`RolloutPool` over one `RolloutWorker` in this process. `history` is the truth (the loop's, saved
     with every checkpoint); the worker drafts from its own replica, brought up to date with each call, as a
-    worker in another process would be."""
+    worker in another process would be. A worker whose rollout raises is rebuilt up to `max_restarts` times
+    (see the module doc)."""
 
-    def __init__(self, worker: RolloutWorker, history: HistoryStore):
+    def __init__(self, worker: RolloutWorker, history: HistoryStore, max_restarts: int = 3):
         self.worker = worker
         self.history = history
         self.weights_version = worker.weights_version
+        self.max_restarts = max_restarts
+        self.restarts = [0]  # rebuilds of the worker so far (a list, as RayPool's)
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         history = self.history.export(g.prompt_ids for g in groups)
-        outputs, stats = self.worker.rollout(groups, params, history, self.weights_version, step)
+        while True:
+            try:
+                outputs, stats = self.worker.rollout(groups, params, history, self.weights_version, step)
+                break
+            except StaleWeightsError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any fault inside the worker: rebuild it, run the groups again
+                self._rebuild(e)
         return RolloutResult(outputs, [stats], self.weights_version, started=started, finished=time.time())
+
+    def _rebuild(self, error: Exception) -> None:
+        """After the worker's rollout raised `error`: a fresh worker on its model (the current weights) and
+        cost model, or, past `max_restarts`, RuntimeError (chained to `error`)."""
+        why = f"raised {type(error).__name__}: {error}"
+        if self.restarts[0] >= self.max_restarts:
+            raise RuntimeError(f"rollout worker {self.worker.worker_id} {why}, after {self.max_restarts} restarts "
+                               f"(rollout.max_worker_restarts), and no rollout worker is left") from error
+        self.restarts[0] += 1
+        print(f"[rollout] worker {self.worker.worker_id} {why}: rebuilding it ({self.restarts[0]}/"
+              f"{self.max_restarts}, rollout.max_worker_restarts) and running its requests again", file=sys.stderr)
+        old = self.worker
+        self.worker = RolloutWorker(old.model, old.engine.tokenizer, old.config, old.worker_id,
+                                    cost_model=getattr(old.engine, "cost_model", None))  # None: speculation off
+        self.worker.weights_version = old.weights_version
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self.worker.load_weights(params, version)
