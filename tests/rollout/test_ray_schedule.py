@@ -112,10 +112,10 @@ def test_every_schedule_gives_the_same_tokens(pool, policy):
 
 
 def test_migration_moves_requests_to_the_idle_worker_and_changes_no_token(pool, policy, monkeypatch):
-    """A deliberately unbalanced split (one group on worker 0, three on worker 1, which has 4 slots): worker 0
-    finishes first, worker 1 hands over half of its unfinished requests (some of them mid-response, as a
-    rule), worker 0 finishes them. Each response comes back once, as without migration."""
-    prompts = random_prompts(4, seed=22)
+    """A deliberately unbalanced split (one group on worker 0, five on worker 1, which has 4 slots: three
+    rounds to worker 0's one): worker 0 finishes first, worker 1 hands over half of its unfinished requests,
+    worker 0 finishes them. Each response comes back once, as without migration."""
+    prompts = random_prompts(6, seed=22)
     gs = groups(prompts, tag="m")
     pool.schedule = "static"
     monkeypatch.setattr(pool, "_plan", lambda groups, n: [[0], list(range(1, len(groups)))])
