@@ -261,8 +261,7 @@ def test_overlong_penalty_is_verls_linear_buffer():
     batch = scorer.score(["#### 4", "#### 4"], [example(), example()], lengths=[8, 18])
     assert batch.rewards == [1.0, 0.5] and batch.overlong == [0.0, -0.5]
     assert batch.metrics()["critic/overlong_penalty/mean"] == -0.25 and batch.metrics()["critic/overlong_frac"] == 0.5
-    with pytest.raises(ValueError, match="needs the completions' token counts"):
-        scorer.score(["#### 4"], [example()])
+    assert scorer.score(["#### 4"], [example()]).rewards == [1.0]  # no lengths (validation): no penalty
     with pytest.raises(ValueError, match="overlong_buffer_len .30. must be at most rollout.max_completion_length"):
         RewardScorer(overlong_buffer_len=30, max_completion_length=20)
 

@@ -181,7 +181,7 @@ class RewardScorer:
     function / functions: the user's reward functions (callables or `RewardFunction`s with weights; `function`
     is one more at the front). timeout_s > 0 calls them in a worker process with that time limit per call
     (`rhymerl.rl.reward_functions.RewardWorker`); 0 calls them here, without a limit. The overlong penalty needs
-    max_completion_length, and the completions' token counts in `score`.
+    max_completion_length, and the completions' token counts in `score` (none given: no penalty).
     """
 
     def __init__(self, format_weight: float = 0.0, function: Callable | None = None, *,
@@ -224,16 +224,14 @@ class RewardScorer:
 
     def score(self, completions: list[str], examples: list[Example],
               lengths: Sequence[int] | None = None) -> RewardBatch:
-        """One reward per completion; completions[i] answers examples[i] and has lengths[i] tokens (needed by
-        the overlong penalty only). Raises ValueError when the lists differ in length or the penalty has no
-        lengths, and RewardTimeoutError when a function is stuck (see the class docstring)."""
+        """One reward per completion; completions[i] answers examples[i] and has lengths[i] tokens. The overlong
+        penalty applies where lengths are given (training rollouts; validation, scored without them, measures
+        answers rather than lengths, as max_completion_length is the rollout's). Raises ValueError when the
+        lists differ in length, and RewardTimeoutError when a function is stuck (see the class docstring)."""
         if len(completions) != len(examples) or (lengths is not None and len(lengths) != len(completions)):
             raise ValueError(f"{len(completions)} completions for {len(examples)} examples"
                              f"{'' if lengths is None else f' and {len(lengths)} lengths'}; expected one example "
                              f"(and length) per completion")
-        if self.overlong_buffer_len > 0 and lengths is None:
-            raise ValueError("the overlong penalty (reward.overlong_buffer_len > 0) needs the completions' token "
-                             "counts: score(..., lengths=...)")
         batch = RewardBatch([], [], [], by_function={f.name: [] for f in self.functions})
         for k, (completion, example) in enumerate(zip(completions, examples)):
             failed, correct = False, 0.0
@@ -257,7 +255,7 @@ class RewardScorer:
             batch.errors += failed
             formatted = format_reward(completion)
             reward = correct + self.format_weight * formatted
-            if self.overlong_buffer_len > 0:
+            if self.overlong_buffer_len > 0 and lengths is not None:
                 batch.overlong.append(overlong_penalty(lengths[k], self.max_completion_length,
                                                        self.overlong_buffer_len, self.overlong_penalty_factor))
                 reward += batch.overlong[-1]
