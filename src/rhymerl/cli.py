@@ -1,42 +1,108 @@
-"""The `rhymerl` command: train, report, generate, bench."""
+"""The `rhymerl` command: train, report, generate, bench.
+
+Bad input (a config key, a file, a model directory, a checkpoint, an option) ends in one line, `rhymerl:
+error: <message>` naming it and what to do, and exit code 2; `rhymerl --debug <command>` shows the traceback
+instead. Only the known bad-input exceptions (`USER_ERRORS`, and an OSError the system raised about a named
+file) are turned into that line: anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
 
+import torch
+
 from rhymerl import report
 from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spec_bench
-from rhymerl.config import DRAFT_RULES, config_help, load_config
+from rhymerl.config import DRAFT_RULES, ConfigError, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained
+from rhymerl.errors import UserError
+from rhymerl.model.capacity import check_context
+from rhymerl.model.config import ModelConfig
+from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.model.pretrained import DTYPES, chat_prompt_ids, default_device, load_pretrained, parse_dtype
 from rhymerl.process import setup_process
 from rhymerl.rl.loop import TrainingRun
+from rhymerl.rl.rewards import RewardFunctionError
 from rhymerl.tasks.prompt_file import read_prompt_file
+
+# The exceptions that mean "bad input" (each names what is wrong); main prints them as one line.
+USER_ERRORS = (UserError, ConfigError, RewardFunctionError)
+# OSErrors about the machine rather than the code: a file that cannot be read or written where the user
+# pointed (permissions, a full or read-only disk, a missing file, a directory where a file belongs).
+ENVIRONMENT_ERRNOS = {errno.EACCES: "check its permissions or choose another path",
+                      errno.EPERM: "check its permissions or choose another path",
+                      errno.EROFS: "the file system is read-only: choose another path",
+                      errno.ENOSPC: "the disk is full: free space or choose another path",
+                      errno.EDQUOT: "the disk quota is used up: free space or choose another path",
+                      errno.ENOENT: "check the path", errno.ENOTDIR: "check the path",
+                      errno.EISDIR: "a directory is where a file belongs: check the path",
+                      errno.EEXIST: "remove it or choose another path",
+                      errno.ENAMETOOLONG: "choose a shorter path"}
 
 
 def encode(tokenizer, prompt, chat: bool) -> list[int]:
     return tokenizer.encode(prompt) if isinstance(prompt, str) and not chat else chat_prompt_ids(tokenizer, prompt)
 
 
+def check_device(name: str | None) -> str:
+    """`--device` as given (default: cuda when available), checked: a device torch knows, cpu or cuda, and
+    a GPU only where one is available."""
+    if name is None:
+        return default_device()
+    try:
+        kind = torch.device(name).type
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: not a device; use cpu or cuda (cuda:N for the N-th GPU)") from None
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: rhymerl runs on cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name!r}: no CUDA GPU is available here (torch.cuda.is_available() is false); "
+                        f"use --device cpu")
+    return name
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (`--num-slots 0` would wait forever for a free slot)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def setup(args) -> None:
     """This process's settings (`setup_process`), for the commands that run an engine; `train` makes them
     in its TrainingRun, with the run's seed."""
-    setup_process(device=getattr(args, "device", None) or default_device())
+    setup_process(device=check_device(getattr(args, "device", None)))
 
 
 def cmd_generate(args) -> int:
+    # Every option and file is checked before the model loads: a mistake costs no waiting.
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed)
+    except ValueError as e:  # SamplingParams' range checks, naming the field
+        raise UserError(f"generate: {e} (--temperature, --top-k, --top-p, --max-tokens, --stop)") from None
     setup(args)
     prompts = list(args.prompts) + ([row.prompt for row in read_prompt_file(Path(args.file))] if args.file else [])
     if not prompts:
-        raise SystemExit("rhymerl generate: no prompts (give them as arguments or with --file FILE.jsonl)")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed)
-    model, tokenizer, model_dir = load_pretrained(args.model, args.dtype, args.device)
-    engine = Engine(model, tokenizer, num_slots=args.num_slots, max_model_len=args.max_model_len)
+        raise UserError("generate: no prompts (give them as arguments or with --file FILE.jsonl)")
+    device = check_device(args.device)
+    model_dir = resolve_model_dir(args.model)
+    context = ModelConfig.from_dir(model_dir).max_position_embeddings
+    max_model_len = args.max_model_len or min(2048, context)
+    check_context(model_dir, max_model_len=max_model_len, num_slots=args.num_slots, dtype=parse_dtype(args.dtype, device),
+                  device=device, key="--max-model-len", slots_key="--num-slots")
+    model, tokenizer, model_dir = load_pretrained(str(model_dir), args.dtype, device)
+    engine = Engine(model, tokenizer, num_slots=args.num_slots, max_model_len=max_model_len)
     ids = [encode(tokenizer, p, not args.no_chat_template) for p in prompts]
     shown: dict = {}
 
@@ -69,6 +135,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.resume and args.config:
+        # A resumed run keeps the config it started with (RUN_DIR/config.yaml); keys of another file would be
+        # silently half-applied, or change a run that must repeat itself.
+        raise UserError(f"--resume {args.resume} continues the run with its saved config "
+                        f"({Path(args.resume) / 'config.yaml'}); --config cannot be combined with it: give "
+                        f"changes as key=value overrides, or start a new run with --config")
     if args.resume:
         run = TrainingRun.resume(args.resume, args.overrides)
     else:
@@ -153,6 +225,8 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rhymerl", description="RL for LLMs with history-accelerated rollouts")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, show the traceback (without it, bad input is reported in one line)")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="GRPO training with HistoSpec rollouts (no arguments: the embedded default job)",
@@ -173,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="*", help="prompt texts (the chat template is applied)")
     g.add_argument("--file", help="JSONL file with a 'prompt' field per row (text or chat messages)")
     g.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
-    g.add_argument("--dtype", default="auto", help="auto | bf16 | fp32 | fp16 (auto: bf16 where the device has native bf16 matmuls, else fp32)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], metavar="DTYPE",
+                   help="auto | bf16 | fp32 | fp16 (auto: bf16 where the device has native bf16 matmuls, else fp32)")
     g.add_argument("--device", default=None, help=DEVICE_HELP)
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -181,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=0, help="a token's draw depends on (seed, request, position) only")
-    g.add_argument("--num-slots", type=int, default=32, help="sequences decoded together")
-    g.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per slot")
+    g.add_argument("--num-slots", type=positive_int, default=32, help="sequences decoded together")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="prompt + completion tokens per slot (default: 2048, or the model's context if shorter)")
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--json", action="store_true", help="one JSON object per result")
@@ -284,12 +360,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for bad input, reported in one line unless --debug)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # bad config/model/data/sampling value: one clear line, no traceback
-        print(f"rhymerl: error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        return _fail(str(e))
+    except OSError as e:
+        message = _environment_message(e)
+        if args.debug or message is None:  # not about a file the user named: a bug, keep its traceback
+            raise
+        return _fail(message)
+
+
+def _environment_message(e: OSError) -> str | None:
+    """One line for an OSError about the machine (see ENVIRONMENT_ERRNOS) or one raised with a message by
+    rhymerl itself (e.g. FileNotFoundError("--trace X: no such file")); None for any other."""
+    if e.errno is None and len(e.args) == 1 and isinstance(e.args[0], str):
+        return e.args[0]
+    if e.errno in ENVIRONMENT_ERRNOS and e.filename is not None:
+        return f"{e.filename}: {e.strerror}: {ENVIRONMENT_ERRNOS[e.errno]}"
+    return None
+
+
+def _fail(message: str) -> int:
+    print(f"rhymerl: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

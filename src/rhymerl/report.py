@@ -26,10 +26,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (must follow matplotlib.use)
 
 from rhymerl.histopipe.gantt import gantt_figure  # noqa: E402
+from rhymerl.errors import UserError  # noqa: E402
 from rhymerl.metrics import METRICS_FILE, read_metrics  # noqa: E402
 from rhymerl.rollout.timeline import TIMELINE_FILE, read_timeline, to_timeline  # noqa: E402
 
 REPORT_DIR = "report"
+
+
+class ReportInputError(UserError):
+    """A run directory whose metrics cannot be reported, or an output path that cannot take the report."""
+
+
+class MissingMetricsError(ReportInputError, FileNotFoundError):
+    """No run directory, no metrics.jsonl, or no rows in it (a FileNotFoundError too, as it always was)."""
+
 
 # Phases in pipeline order, so the stacks read bottom-up like a step runs; other timing_s/* keys follow.
 TIMING_PHASES = ("rollout", "reward", "update", "sync", "val", "save")
@@ -41,10 +51,14 @@ MAX_TIMING_BARS = 300
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write the report PNGs for run_dir into out_dir (default run_dir/report/); returns the paths written.
 
-    Raises FileNotFoundError naming the file if run_dir/metrics.jsonl is missing or holds no rows.
+    Raises ReportInputError (a UserError) naming the file if run_dir/metrics.jsonl is missing, corrupt, holds
+    no rows or a value that is not a number, or if out_dir is an existing file.
     """
     rows = _load(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / REPORT_DIR
+    if out.exists() and not out.is_dir():
+        raise ReportInputError(f"--out {out}: is an existing file; the report writes its PNGs into a directory: "
+                               f"name a directory (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, plot in (
@@ -90,7 +104,7 @@ def summary(run_dir: str | os.PathLike) -> dict:
     Keys: steps (training steps logged; the step-0 row, the run's starting point, is not one), last_step,
     reward_first, reward_last, reward_max (critic/rewards/mean), val_accuracy_last (val/accuracy),
     step_time_median_s (timing_s/step), accept_rate_mean (rollout/spec_accept_rate). Raises
-    FileNotFoundError as write_report does.
+    ReportInputError as write_report does.
     """
     rows = _load(run_dir)
     _, rewards = _series(rows, "critic/rewards/mean")
@@ -116,14 +130,36 @@ def _load(run_dir: str | os.PathLike) -> list[dict]:
     value for the same step and key wins.
     """
     path = Path(run_dir) / METRICS_FILE
-    rows = read_metrics(run_dir)
+    if not Path(run_dir).is_dir():
+        raise MissingMetricsError(f"{run_dir}: no such run directory (rhymerl report takes the directory a "
+                               f"`rhymerl train` run wrote, which holds {METRICS_FILE})")
+    try:
+        rows = read_metrics(run_dir)
+    except FileNotFoundError:
+        raise MissingMetricsError(f"{path}: missing; is {run_dir} a training run's directory?") from None
+    except ValueError as e:  # a corrupt line mid-file, or bytes that are not UTF-8
+        raise ReportInputError(f"{path}: unreadable: {e}") from None
     by_step: dict[int, dict] = {}
-    for row in rows:
-        if "step" in row and row["step"] is not None:
-            by_step.setdefault(int(row["step"]), {}).update(row)
+    for number, row in enumerate(rows, 1):
+        _check_row(path, number, row)
+        if row.get("step") is not None:
+            by_step.setdefault(row["step"], {}).update(row)
     if not by_step:
-        raise FileNotFoundError(f"no metrics rows in {path}")
+        raise MissingMetricsError(f"{path}: no metrics rows with a 'step'; nothing to report")
     return [by_step[step] for step in sorted(by_step)]
+
+
+def _check_row(path: Path, number: int, row: dict) -> None:
+    """A row's step is a non-negative integer and every value a number (or null): a string where a metric
+    belongs would otherwise be skipped silently, and the plot drawn without it."""
+    step = row.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ReportInputError(f"{path}: row {number}: 'step' must be a non-negative integer, got {step!r}")
+    for key, value in row.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ReportInputError(f"{path}: row {number} (step {step}): metric {key!r} is "
+                                   f"{type(value).__name__} {value!r:.40}, expected a number; the file was "
+                                   f"edited or not written by rhymerl")
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from rhymerl.errors import UserError
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.device import onednn_bf16
 from rhymerl.model.fetch import resolve_model_dir
@@ -65,4 +66,5 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    raise ValueError("chat messages given but the tokenizer has no chat template")
+    raise UserError(f"{tokenizer.name_or_path}: the tokenizer has no chat template (chat_template.jinja, or "
+                    f"'chat_template' in tokenizer_config.json), and chat messages need one: use a chat model")

@@ -20,18 +20,19 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
+from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.predict import LengthPredictor, rank_report
 from rhymerl.histopipe.trace import TraceWriter
 from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.metrics import MetricsLogger, read_metrics
+from rhymerl.model.capacity import check_context
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.model.pretrained import resolve_dtype
+from rhymerl.model.pretrained import parse_dtype, resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
-from rhymerl.rl.checkpoint import (latest_checkpoint, load_checkpoint, read_spec_state, read_state, save_checkpoint,
-                                  set_rng_state)
+from rhymerl.rl.checkpoint import (CheckpointError, check_checkpoint, latest_checkpoint, load_checkpoint,
+                                  read_spec_state, save_checkpoint, set_rng_state)
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.rewards import RewardScorer, load_reward_function
@@ -71,6 +72,12 @@ class TrainingRun:
                             Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
+        # Checked before anything loads from it (a bad file is named, not met as a parser's traceback later).
+        ckpt_state = check_checkpoint(ckpt) if ckpt is not None else None
+        if ckpt_state is not None and cfg.train.total_steps < ckpt_state["step"]:
+            raise ConfigError(f"train.total_steps={cfg.train.total_steps} is below the step of the checkpoint to "
+                              f"resume from ({ckpt}: step {ckpt_state['step']}): set train.total_steps="
+                              f"{ckpt_state['step']} or more")
         self.start_step = 0
 
         # ---- model: fp32 master weights for the trainer (each rollout worker keeps a copy in its dtype) ----
@@ -83,13 +90,17 @@ class TrainingRun:
         self.ref_model = None
         if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
             self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
-        self.dtypes = run_dtypes(cfg, device, read_state(ckpt).get("dtypes") if ckpt else None)
+        self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
         print(f"[model] {self.model_dir.name} on {device}: rollout in {self.dtypes['rollout']}, update in "
               f"{self.dtypes['train']} (rollout.dtype={cfg.rollout.dtype}, train.dtype={cfg.train.dtype})",
               file=sys.stderr)
         # ---- rollout: a pool of workers, each with its own copy of the policy in the rollout dtype ----
         self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)  # the truth, checkpointed
         max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
+        check_context(self.model_dir, max_model_len=max_len - 1, num_slots=cfg.rollout.num_slots,
+                      dtype=parse_dtype(self.dtypes["rollout"], device), device=device, slots_key="rollout.num_slots",
+                      key=f"data.max_prompt_length ({cfg.data.max_prompt_length}) + the longest "
+                          f"rollout/val.max_completion_length ({max_len - 1 - cfg.data.max_prompt_length})")
         worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
                               speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
                               draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts,
@@ -121,12 +132,21 @@ class TrainingRun:
 
         if ckpt is not None:
             state, trainer_state, history_state = load_checkpoint(ckpt)
-            if lora:
-                self.model.load_state_dict(trainer_state["lora_model"])
-            self.trainer.load_state_dict(trainer_state)
-            set_rng_state(trainer_state["rng"])
+            try:  # a trainer state of another model or optimizer (e.g. model.lora_r changed by an override)
+                if lora:
+                    self.model.load_state_dict(trainer_state["lora_model"])
+                self.trainer.load_state_dict(trainer_state)
+                set_rng_state(trainer_state["rng"])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"{ckpt / 'trainer.pt'}: does not fit this run's model and optimizer "
+                                      f"({type(e).__name__}: {str(e)[:200]}); was a model.* or train.* key changed "
+                                      f"by an override on --resume?") from None
             if history_state is not None:
-                self.history.load_state_dict(history_state)
+                try:
+                    self.history.load_state_dict(history_state)
+                except (KeyError, ValueError, TypeError) as e:
+                    raise CheckpointError(f"{ckpt / 'history.json'}: not a history rhymerl wrote "
+                                          f"({type(e).__name__}: {str(e)[:200]})") from None
             self.start_step = state["step"]
             self.reward_errors = state.get("reward_errors", 0)
             self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
@@ -146,8 +166,11 @@ class TrainingRun:
     def resume(cls, run_dir: str | Path, overrides: list[str] = (), **kw) -> "TrainingRun":
         """Continue the run in `run_dir` from its latest checkpoint, with its saved config (+ overrides)."""
         run_dir = Path(run_dir)
+        if not run_dir.is_dir():
+            raise CheckpointError(f"--resume {run_dir}: no such run directory")
         if latest_checkpoint(run_dir) is None:
-            raise FileNotFoundError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'}")
+            raise CheckpointError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} (a run saves "
+                                  f"one every run.save_every steps and at its end)")
         return cls(load_config(run_dir / "config.yaml", overrides), resume_dir=run_dir, **kw)
 
     # ---- one step ---------------------------------------------------------------------------------

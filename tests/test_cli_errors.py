@@ -1,0 +1,265 @@
+"""Bad input through the command line, as a new user hands it over (issue 26 item 13): each case ends with one
+line `rhymerl: error: ...` naming the file, key or option, exit code 2 and no traceback; `--debug` shows the
+traceback. Most cases call `cli.main` in-process (a subprocess costs seconds of imports); a few run the real
+command as a subprocess, including the one that used to hang.
+
+The model is a tiny random Llama with a byte-level tokenizer written here, so nothing needs the real model."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rhymerl import cli
+from rhymerl.errors import UserError
+from rhymerl.rl import checkpoint
+from rhymerl.rl.checkpoint import latest_checkpoint
+
+CLI = [sys.executable, "-m", "rhymerl.cli"]
+NOT_UTF8 = b"rollout:\n  temperature: 0.5  # caf\xe9\n"
+CHAT = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (context 256) with a byte-level BPE tokenizer (no merges: one token a byte)."""
+    path = tmp_path_factory.mktemp("tiny-bytes")
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", chat_template=CHAT).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=vocab["<eos>"], bos_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _train_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", f"model.name={model_dir}", f"run.output_dir={out}", "data.num_train_prompts=4",
+            "data.num_val_prompts=0", "data.max_prompt_length=240", "train.prompts_per_step=2",
+            "rollout.num_generations=2", "rollout.max_completion_length=4", "val.max_completion_length=4", "val.every=0", "rollout.num_slots=4",
+            "train.micro_batch_size=4", "train.dtype=fp32", "rollout.dtype=fp32", "rollout.speculative=off",
+            "run.progress=false", "run.tensorboard=false", *extra]
+
+
+def _fails(capsys, argv: list[str], *names: str) -> str:
+    """Run `rhymerl argv` in-process; assert exit code 2 and one error line naming each of `names`."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rhymerl: error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for name in names:
+        assert str(name) in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- real subprocesses
+
+
+def test_the_command_reports_bad_input_in_one_line_and_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(NOT_UTF8)
+    proc = _run("train", "--config", str(bad))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"rhymerl: error: {bad}: not UTF-8")
+
+    proc = _run("--debug", "train", "--config", str(bad))
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_generate_with_no_slots_is_refused_not_a_hang(tmp_path, model_dir):
+    proc = _run("generate", "--model", str(model_dir), "--num-slots", "0", "hi", timeout=60)
+    assert proc.returncode == 2 and "--num-slots" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- config and run directory
+
+
+def test_config_errors_name_the_file_or_key(tmp_path, capsys, model_dir):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(NOT_UTF8)
+    _fails(capsys, ["train", "--config", str(bad)], bad, "UTF-8")
+    _fails(capsys, ["train", "rollout.temprature=0.5"], "rollout.temprature", "rollout.temperature")
+    _fails(capsys, ["train", "--config", str(tmp_path)], tmp_path)  # a directory
+    _fails(capsys, ["train", "--resume", str(tmp_path / "run"), "--config", str(bad)], "--config", "--resume")
+    _fails(capsys, ["train", "--resume", str(tmp_path / "nothing")], "nothing", "no such run directory")
+    (tmp_path / "empty_run").mkdir()
+    _fails(capsys, ["train", "--resume", str(tmp_path / "empty_run")], "empty_run", "no checkpoint")
+    with pytest.raises(UserError):
+        cli.main(["--debug", "train", "--resume", str(tmp_path / "nothing")])
+
+
+def test_a_run_directory_that_cannot_be_written(tmp_path, capsys, model_dir):
+    # (root may write anywhere, so "unwritable" is a path below a file: mkdir fails the same way)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _fails(capsys, _train_args(model_dir, blocker / "run", "train.total_steps=1"), blocker, "Not a directory")
+
+
+def test_a_full_disk_while_checkpointing_leaves_no_checkpoint(tmp_path, capsys, model_dir, monkeypatch):
+    def full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    _fails(capsys, _train_args(model_dir, tmp_path / "run", "train.total_steps=1"), "model.safetensors", "disk is full")
+    assert latest_checkpoint(tmp_path / "run") is None
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no half-written step_000001.tmp either
+
+
+# ---------------------------------------------------------------- data, model, context
+
+
+def test_data_and_prompt_file_errors_name_the_file(tmp_path, capsys, model_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    _fails(capsys, ["generate", "--model", str(model_dir), "--file", str(prompts)], prompts, "UTF-8")
+    _fails(capsys, ["generate", "--model", str(model_dir), "--file", str(tmp_path)], tmp_path, "directory")
+    _fails(capsys, ["generate", "--model", str(model_dir), "--file", str(tmp_path / "none.jsonl")], "none.jsonl")
+    _fails(capsys, _train_args(model_dir, tmp_path / "r", f"data.train_files={tmp_path}"), tmp_path, "directory")
+
+
+def test_model_directory_errors_name_the_file(tmp_path, capsys, model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    _fails(capsys, ["generate", "--model", str(broken), "hi"], weights, "truncated")
+    weights.write_bytes(b"garbage" * 100)
+    _fails(capsys, _train_args(broken, tmp_path / "r"), weights, "not a safetensors file")
+    _fails(capsys, ["generate", "--model", str(broken), "hi"], weights)
+    shutil.copy(model_dir / "model.safetensors", weights)
+    (broken / "config.json").write_text("")
+    _fails(capsys, ["generate", "--model", str(broken), "hi"], broken / "config.json", "empty")
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    _fails(capsys, _train_args(broken, tmp_path / "r"), broken / "config.json", "gpt2")
+
+
+def test_contexts_that_cannot_fit_are_refused(tmp_path, capsys, model_dir):
+    _fails(capsys, _train_args(model_dir, tmp_path / "r", "data.max_prompt_length=100000000"),
+           "data.max_prompt_length", "max_position_embeddings")
+    _fails(capsys, ["generate", "--model", str(model_dir), "--max-model-len", "100000000", "hi"],
+           "--max-model-len", "max_position_embeddings")
+    # within the model's context, but not in memory: 10^9 slots of 256 tokens
+    _fails(capsys, ["generate", "--model", str(model_dir), "--num-slots", "1000000000", "hi"], "--num-slots", "GiB")
+
+
+def test_generate_options_are_checked(tmp_path, capsys, model_dir):
+    _fails(capsys, ["generate", "--model", str(model_dir), "--device", "bogus", "hi"], "--device", "bogus")
+    _fails(capsys, ["generate", "--model", str(model_dir), "--top-p", "1.5", "hi"], "top_p")
+    _fails(capsys, ["generate", "--model", str(model_dir)], "no prompts")
+    with pytest.raises(SystemExit) as exit_:  # argparse: its usage line, then the option named
+        cli.main(["generate", "--model", str(model_dir), "--dtype", "fp8", "hi"])
+    assert exit_.value.code == 2 and "--dtype" in capsys.readouterr().err
+    # a prompt longer than the context is refused, not run (and the command fails when nothing ran)
+    assert cli.main(["generate", "--model", str(model_dir), "--no-chat-template", "x" * 300]) == 1
+    assert "the context holds 256" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- report
+
+
+def test_report_errors_name_the_file(tmp_path, capsys):
+    out_file = tmp_path / "taken.png"
+    out_file.write_text("")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/rewards/mean": 0.5}) + "\n")
+    _fails(capsys, ["report", str(run), "--out", str(out_file)], out_file, "existing file")
+    _fails(capsys, ["report", str(tmp_path / "nope")], "nope", "no such run directory")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/rewards/mean": "0.5"}) + "\n" +
+                                       json.dumps({"step": 2, "critic/rewards/mean": 0.6}) + "\n")
+    _fails(capsys, ["report", str(run)], run / "metrics.jsonl", "critic/rewards/mean", "expected a number")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": "1"}) + "\n" + json.dumps({"step": 2}) + "\n")
+    _fails(capsys, ["report", str(run)], "'step'")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, model_dir) -> Path:
+    """A run of 2 steps with a checkpoint after each."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert cli.main(_train_args(model_dir, out, "train.total_steps=2", "run.save_every=1")) == 0
+    assert latest_checkpoint(out).name == "step_000002"
+    return out
+
+
+def _copy(trained: Path, tmp_path: Path) -> tuple[Path, Path]:
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    return run, latest_checkpoint(run)
+
+
+class _Payload:
+    """What a crafted trainer.pt holds: unpickling it would create the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_bad_checkpoints_are_named_and_never_run(tmp_path, capsys, trained):
+    run, ckpt = _copy(trained, tmp_path)
+    resume = ["train", "--resume", str(run)]
+
+    pt = ckpt / "trainer.pt"
+    good = pt.read_bytes()
+    pt.write_bytes(good[: len(good) // 2])
+    _fails(capsys, resume, pt, "truncated")
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": _Payload(marker), "scheduler": {}, "rng": {}}, pt)
+    _fails(capsys, resume, pt, "not written by rhymerl")
+    assert not marker.exists(), "a crafted trainer.pt ran code on --resume"
+    pt.write_bytes(good)
+
+    state_file = ckpt / "state.json"
+    state = json.loads(state_file.read_text())
+    for bad_step in ("2", 999, 1):
+        state_file.write_text(json.dumps({**state, "step": bad_step}))
+        _fails(capsys, resume, state_file, "step")
+    state_file.write_text(json.dumps(state)[:50])
+    _fails(capsys, resume, state_file, "truncated")
+    state_file.write_text(json.dumps(state))
+
+    history = ckpt / "history.json"
+    text = history.read_text()
+    history.write_text(text[: len(text) // 2])
+    _fails(capsys, resume, history, "truncated")
+    history.write_text(text)
+
+    weights = ckpt / "model.safetensors"
+    weights_bytes = weights.read_bytes()
+    weights.write_bytes(weights_bytes[:-10])
+    _fails(capsys, resume, weights, "truncated")
+    weights.write_bytes(weights_bytes)
+
+    _fails(capsys, resume + ["train.total_steps=1"], "train.total_steps=1", "step 2")
+    assert cli.main(resume) == 0  # restored, it resumes (at its end: nothing left to do)
+
+
+def test_a_trainer_state_of_another_model_is_named(tmp_path, capsys, trained):
+    run, ckpt = _copy(trained, tmp_path)
+    _fails(capsys, ["train", "--resume", str(run), "model.lora_r=4", "train.total_steps=3"],
+           ckpt / "trainer.pt", "does not fit")
