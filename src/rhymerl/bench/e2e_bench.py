@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
+from rhymerl.bench.progress import Progress
 from rhymerl.bench.trl_baseline import run_trl_grpo
 from rhymerl.config import load_config
 from rhymerl.data.dataset import Example, builtin_examples
@@ -66,6 +67,8 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
     if steps_per_epoch * prompts_per_step != num_prompts:
         raise ValueError(f"num_prompts ({num_prompts}) must be a multiple of prompts_per_step ({prompts_per_step})")
     steps = epochs * steps_per_epoch
+    # progress: each run's steps are its units (the model fetch and TRL's start-up ride on them)
+    progress = Progress("e2e", (0 if skip_trl else steps) + 2 * steps)
     model_dir = resolve_model_dir(model)
     common = [f"model.name={model_dir}", "data.task=arithmetic", f"data.num_train_prompts={num_prompts}",
               "val.every=0", f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
@@ -87,6 +90,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
             def reward_fn(texts: list[str], truths: list[str]) -> list[float]:
                 return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths]).rewards
 
+            progress.stage(f"TRL GRPOTrainer: {steps} steps", units=steps)
             trl = run_trl_grpo(model_dir, [ex.messages() for ex in examples], [ex.ground_truth for ex in examples],
                                reward_fn, num_generations=num_generations, prompts_per_step=prompts_per_step,
                                micro_batch_size=micro_batch_size, max_completion_length=max_completion_length,
@@ -95,8 +99,10 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
             results["trl"] = _summarise(trl.step_s, trl.rollout_s, trl.reward_mean, steps_per_epoch)
             results["trl"]["trl_version"] = trl.trl_version
         for mode in ("off", "histospec"):
+            progress.stage(f"rhymerl, speculative={mode}: {steps} steps (+ model load)", units=steps)
             results[mode] = run_rhymerl(common + [f"rollout.speculative={mode}"], work / mode, steps_per_epoch)
 
+    progress.done()
     off, spec = results["off"], results["histospec"]
     diff = max(abs(a - b) for a, b in zip(off["reward_by_step"], spec["reward_by_step"]))
     summary = {"model": model, "dtype": dtype, "device": "cuda" if torch.cuda.is_available() else "cpu",

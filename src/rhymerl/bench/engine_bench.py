@@ -15,6 +15,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.progress import Progress
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
@@ -55,8 +56,12 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         skip_hf: bool = False, device: str | None = None) -> dict:
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
+    progress = Progress("engine", 2 + (not skip_hf) + len(batches) * (1 + (not skip_hf)))
+    progress.stage(f"loading {model_name} ({dtype})")
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
     device = next(model.parameters()).device
+    if not skip_hf:
+        progress.stage("loading the transformers model")
     hf_model = None if skip_hf else \
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).to(device).eval()
     eos_ids = sorted(Engine(model, tokenizer, num_slots=1, max_model_len=8).eos_token_ids)
@@ -66,6 +71,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32
     all_prompts = [chat_prompt_ids(tokenizer, prompt_text(p)) for p in problems]
     max_model_len = max(map(len, all_prompts)) + max_tokens
     # Warm both sides up once (first calls pay for allocator and kernel set-up).
+    progress.stage("warm-up")
     warm = all_prompts[:2]
     ours_generate(model, tokenizer, warm, 2, SamplingParams(temperature=0, max_tokens=8), max_model_len)
     if hf_model is not None:
@@ -73,14 +79,17 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32
     results = {}
     for b in batches:
         prompts = all_prompts[: num_prompts or DEFAULT_PROMPTS.get(b, 4 * b)]
+        progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
         tok, sec, engine = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
         row = {"prompts": len(prompts), "ours_tokens": tok, "ours_s": round(sec, 2), "ours_tok_s": round(tok / sec, 1),
                "ours_forwards": engine.stats.forward_passes}
         if hf_model is not None:
+            progress.stage(f"batch {b}: transformers generate, {len(prompts)} prompts")
             htok, hsec = hf_generate(hf_model, prompts, b, params, pad_id, eos_ids)
             row.update(hf_tokens=htok, hf_s=round(hsec, 2), hf_tok_s=round(htok / hsec, 1),
                        speedup=round((tok / sec) / (htok / hsec), 2))
         results[str(b)] = row
+    progress.done()
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "batches": results}
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
+from rhymerl.bench.progress import Progress
 from rhymerl.engine.backends import native
 from rhymerl.engine.backends.cpu_weights import model_weights
 from rhymerl.model.decoder import Linear
@@ -37,6 +38,8 @@ def run(model_name: str = "smollm2-135m", rows=(1, 8, 32, 64, 96, 128), repeats:
     if ops is None or not ops.tile_linear_supported():
         raise RuntimeError("bench matmul needs the fused CPU kernels on a CPU with AMX-BF16 tiles "
                            "(ops.tile_linear_supported() is false here)")
+    progress = Progress("matmul", 1 + len(rows))
+    progress.stage(f"loading {model_name} and packing its weights")
     model = load_decoder(resolve_model_dir(model_name), torch.bfloat16, "cpu")  # no tokenizer needed
     weights = model_weights(model)
     if not weights.packable():
@@ -50,6 +53,7 @@ def run(model_name: str = "smollm2-135m", rows=(1, 8, 32, 64, 96, 128), repeats:
         onednn = [weights.onednn(lin) for lin in linears]
         tiles = [weights.tiles(lin, ops.pack_tiles) for lin in linears]
         for m in rows:
+            progress.stage(f"{m} rows: oneDNN vs tiles, {repeats} repeats")
             xs = [torch.randn(m, lin.in_features, generator=g).to(torch.bfloat16) for lin in linears]
 
             def run_onednn():
@@ -72,6 +76,7 @@ def run(model_name: str = "smollm2-135m", rows=(1, 8, 32, 64, 96, 128), repeats:
             tiles_ms = statistics.median(times["tiles"]) * 1e3
             results[str(m)] = {"onednn_ms": round(onednn_ms, 2), "tiles_ms": round(tiles_ms, 2),
                                "speedup": round(onednn_ms / tiles_ms, 3), "max_rel_diff": round(diff, 5)}
+    progress.done()
     return {"model": model_name, "dtype": "bf16", "device": "cpu", "threads": torch.get_num_threads(),
             "matmuls_per_forward": len(linears), "repeats": repeats, "rows": results}
 

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.progress import Progress
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
@@ -147,6 +148,10 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         run_history, ckpt = history_of_run(history_from)
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
+    separate_fp32 = bool(identity_prompts) and dtype != "fp32"  # progress: the stages below, counted
+    per_temp = (run_history is None) + 2 * epoch_seeds * repeats + 1 + separate_fp32 + bool(identity_prompts)
+    progress = Progress("spec", 3 + separate_fp32 + bool(identity_prompts) + len(temperatures) * per_temp)
+    progress.stage(f"loading {model_name} ({dtype}{' and fp32' if separate_fp32 else ''})")
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
     device = next(model.parameters()).device
     if run_history is not None:
@@ -181,6 +186,8 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     if fp32 is not None:
         shapes.append((fp32, 8, identity_len))  # the identity check
     for m, n_slots, length in shapes:  # measured before any timed run, untimed
+        progress.stage(f"measuring the cost model ({n_slots} slots, {length} tokens, "
+                       f"{'fp32' if m is fp32 else dtype})")
         make(m, "histospec", n_slots=n_slots, length=length)
     # What this machine allows at all: the speed-up of a perfect drafter by the measured forward costs
     # (`CostModel.ceiling`), for the full batch and for the tails. Where a target is above it, no drafter
@@ -197,6 +204,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             history = run_history
         else:
             history = HistoryStore()
+            progress.stage(f"T={temp}: epoch 1 (the history)")
             outs1, _ = rollout(make(model, "off"), prompts, num_generations, epoch1)
             for i, p in enumerate(prompts):
                 history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
@@ -209,9 +217,11 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         pairs = []  # every (plain, HistoSpec) pair of runs, in order: their tokens/s
         for params in epoch2:
             best: dict[str, tuple] = {}
-            for _ in range(repeats):
+            for rep in range(repeats):
                 tok_s = {}
                 for mode in ("off", "histospec"):
+                    progress.stage(f"T={temp}: epoch 2 seed {params.seed} repeat {rep + 1}/{repeats}: "
+                                   f"{'plain' if mode == 'off' else mode}")
                     engine = make(model, mode, history)
                     outs, seconds = rollout(engine, prompts, num_generations, params)
                     tok_s[mode] = engine.stats.generated_tokens / seconds
@@ -264,12 +274,15 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         longest = sorted(range(len(plain)), key=lambda k: -len(plain[k].token_ids))[:TAIL]
         tail_prompts = [prompts[k // num_generations] for k in longest]
         tail_ids = [f"{k // num_generations}-{k % num_generations}" for k in longest]
+        progress.stage(f"T={temp}: the tail ({len(longest)} longest requests), plain vs HistoSpec x {repeats}")
         row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0], "",
                          repeats))
         if fp32 is not None:
             if fp32 is not model:
+                progress.stage(f"T={temp}: the tail in fp32, plain vs HistoSpec x {repeats}")
                 row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids,
                                  epoch2[0], "_fp32", repeats))
+            progress.stage(f"T={temp}: identity check (fp32, {min(identity_prompts, len(prompts))} prompts x 2)")
             sub = prompts[:identity_prompts]
             p32 = SamplingParams(temperature=temp, max_tokens=identity_max_tokens, seed=seed + 2000)
             a, _ = rollout(make(fp32, "off", n_slots=8, length=identity_len), sub, 2, p32)
@@ -282,6 +295,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         print(f"[bench spec] T={temp}: plain {row['plain_tok_s']} tok/s, HistoSpec {row['spec_tok_s']} tok/s "
               f"({row['speedup']}x), tail {row['tail_speedup']}x, identity fp32 {row.get('identity_rate', '-')} "
               f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
+    progress.done()
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
             "max_tokens": max_tokens, "draft_rule": draft_rule, "reward_aware_drafting": reward_aware,
