@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rhymerl import report
-from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spec_bench
+from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spec_bench, workers_bench
 from rhymerl.config import DRAFT_RULES, ConfigError, config_help, load_config
 from rhymerl.engine.engine import Engine, StepEvent
 from rhymerl.engine.sampling_params import SamplingParams
@@ -210,6 +210,13 @@ def cmd_bench_e2e(args) -> int:
     return 0
 
 
+def cmd_bench_workers(args) -> int:
+    summary = workers_bench.run(args.overrides, args.steps, args.warmup, args.repeats, args.dtype, args.out)
+    workers_bench.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
 MODEL_HELP = "built-in name, HF directory, .gguf file or hub id"
 DEVICE_HELP = "cpu or cuda (default: cuda when available)"
 
@@ -356,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     b2.add_argument("--seed", type=int, default=0, help="one seed for every run")
     b2.add_argument("--skip-trl", action="store_true", help="only the two rhymerl runs")
     b2.set_defaults(func=cmd_bench_e2e)
+    bw = bsub.add_parser("workers", help="seconds per GRPO step: local 1 worker, Ray 1 worker, Ray 2 workers",
+                         formatter_class=_DefaultsHelp)
+    bw.add_argument("--steps", type=int, default=4, help="timed steps per setup (after the warm-up)")
+    bw.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    bw.add_argument("--repeats", type=int, default=1, help="runs of every setup, alternating order")
+    bw.add_argument("--dtype", default="auto", help="rollout.dtype and train.dtype (auto | bf16 | fp32)")
+    bw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override of the default job (repeatable), e.g. rollout.max_completion_length=32")
+    bw.add_argument("--out", default=None, help="keep the runs' directories here (default: a temporary folder)")
+    bw.set_defaults(func=cmd_bench_workers)
     return p
 
 

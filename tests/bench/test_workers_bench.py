@@ -1,0 +1,101 @@
+"""`rhymerl bench workers` end to end on a tiny random model (the real SmolLM2 tokenizer, so the default job's
+chat prompts and rewards are real) and a real local Ray cluster: local 1 worker, Ray 1 worker and Ray 2
+workers, a table, progress lines on stderr, then one JSON line of named figures; the three setups roll out
+the same tokens (fp32)."""
+
+import json
+import shutil
+import tempfile
+
+import pytest
+import ray
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rhymerl.bench import workers_bench
+from rhymerl.cli import main
+from rhymerl.rollout.types import WorkerStats
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One real local cluster for the module, as in tests/rollout/test_ray_pool.py (its session folder under the
+    test's temp folder, no token file); the bench's own `connect` then keeps this connection."""
+    temp = tmp_path_factory.mktemp("ray")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
+                 _temp_dir=str(temp), log_to_driver=False)
+        yield
+        ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("tiny-smol")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    model.model.embed_tokens.weight.data.normal_(0, 0.8)  # peaked logits: varied, repeating responses
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+def test_call_figures_split_the_rollout_call():
+    workers = [WorkerStats(0, requests=4, started=100.0, finished=102.0),
+               WorkerStats(1, requests=4, started=100.5, finished=101.5), WorkerStats(2)]  # 2 ran nothing
+    f = workers_bench.call_figures(workers, call_s=2.5, export_s=0.1)
+    assert f["worker_s"] == pytest.approx(2.0) and f["dispatch_s"] == pytest.approx(0.4)
+    assert f["bubble"] == pytest.approx(1 - 3.0 / (3 * 2.5))
+
+
+def test_bench_workers_end_to_end(cluster, tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sets = [f"model.name={tiny_dir}", "data.num_train_prompts=4", "data.num_val_prompts=0",
+            "train.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_completion_length=8",
+            "rollout.num_slots=4", "train.micro_batch_size=4", "train.learning_rate=0.01"]
+    argv = ["bench", "workers", "--steps", "2", "--warmup", "1", "--dtype", "fp32"]
+    rc = main(argv + [x for s in sets for x in ("--set", s)])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "GRPO step by rollout setup" in out and "Ray's overhead at 1 worker" in out
+
+    total = 1 + 3 * (1 + 1 + 2)  # the cluster, then per setup: start-up, warm-up, 2 steps
+    for k in (1, 2, total):
+        assert f"[bench workers] stage {k}/{total}:" in err
+    assert "ray2: step 2/2" in err and "[bench workers] done in" in err
+
+    for name, workers in (("local1", 1), ("ray1", 1), ("ray2", 2)):
+        r = summary[name]
+        assert r["workers"] == workers and r["dtype"] == "fp32" and len(r["steps_s"]) == 2
+        for key in workers_bench.PARTS:
+            assert isinstance(r[key], float), (name, key)
+        assert r["step_s"] > 0 and r["rollout_s"] > 0 and r["update_s"] > 0 and r["sync_s"] >= 0
+        assert 0 < r["rollout_worker_s"] <= r["rollout_s"] and r["history_export_s"] >= 0
+        assert 0 <= r["bubble_ratio"] < 1
+    assert summary["ray2"]["threads_per_worker"] == 1  # 2 CPUs in the cluster, split between 2 workers
+    assert summary["ray1"]["threads_per_worker"] == 2
+    assert summary["ray1_overhead"] == pytest.approx(
+        (summary["ray1"]["step_s"] - summary["local1"]["step_s"]) / summary["local1"]["step_s"], abs=1e-3)
+    assert isinstance(summary["ray1_overhead_paired"], float)
+    assert summary["ray1_overhead_main"] in summary["ray1_overhead_parts_s"]
+    assert summary["same_rollouts"] is True  # fp32: the same tokens wherever the workers run
+    assert summary["config"]["steps"] == 2 and summary["config"]["num_generations"] == 2
+    assert summary["machine"]["cpu_cores"] >= 1
+    assert not list(tmp_path.iterdir())  # the runs' directories are removed
+
+
+def test_bad_arguments_fail_before_ray_starts(monkeypatch, capsys):
+    monkeypatch.setattr(workers_bench.ray_pool, "connect", lambda address: pytest.fail("Ray started"))
+    assert main(["bench", "workers", "--steps", "0"]) == 2
+    assert "steps >= 1" in capsys.readouterr().err
+    assert main(["bench", "workers", "--set", "rollout.nope=1"]) == 2
+    assert "rollout.nope" in capsys.readouterr().err
