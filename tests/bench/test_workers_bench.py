@@ -93,6 +93,14 @@ def test_bench_workers_end_to_end(cluster, tiny_dir, tmp_path, monkeypatch, caps
     assert not list(tmp_path.iterdir())  # the runs' directories are removed
 
 
+def test_two_ray_workers_need_two_gpus_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert workers_bench.setups_that_fit() == (["local1", "ray1"], {"ray2": "needs 2 GPUs, this machine has 1"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert workers_bench.setups_that_fit() == (["local1", "ray1", "ray2"], {})
+
+
 def test_bad_arguments_fail_before_ray_starts(monkeypatch, capsys):
     monkeypatch.setattr(workers_bench.ray_pool, "connect", lambda address: pytest.fail("Ray started"))
     assert main(["bench", "workers", "--steps", "0"]) == 2

@@ -21,7 +21,8 @@ local1); its parts are the differences of the medians, the largest named.
 HistoSpec's cost model: local1 measures it, as a run does at start-up, and ray1 reuses it, so that the two
 draft alike and differ only by where the worker runs; ray2's workers, on half the cores each, measure
 their own. On 2 cores the two Ray workers get one torch thread each: ray2 shows the cost of splitting a
-small machine, not a speed-up.
+small machine, not a speed-up. On CUDA each Ray worker takes a GPU of its own: ray2 is skipped (and says so)
+where there is only one.
 """
 
 from __future__ import annotations
@@ -154,21 +155,24 @@ def run(overrides: list[str] = (), steps: int = 4, warmup: int = 1, repeats: int
     setup sets); `out`: keep the runs' directories there (default: a temporary folder, removed)."""
     if steps < 1 or warmup < 0 or repeats < 1:
         raise UserError(f"bench workers: needs steps >= 1, warmup >= 0, repeats >= 1; got steps={steps}, "
-                         f"warmup={warmup}, repeats={repeats}")
+                        f"warmup={warmup}, repeats={repeats}")
     base = [f"train.total_steps={warmup + steps}", f"rollout.dtype={dtype}", f"train.dtype={dtype}", "val.every=0",
             "run.save_every=0", "run.progress=false", "run.tensorboard=false", *overrides]
     cfg = load_config(None, base)  # a bad key fails here, before Ray starts
-    progress = progress or Progress("workers", 1 + repeats * len(SETUPS) * (1 + warmup + steps))
+    names, skipped = setups_that_fit()
+    progress = progress or Progress("workers", 1 + repeats * len(names) * (1 + warmup + steps))
+    for name, why in skipped.items():
+        progress.note(f"{name} skipped: {why}")
     progress.stage(f"Ray cluster ({cfg.ray.address or 'a fresh local one'})")
     ray_pool.connect(cfg.ray.address)
-    timed: dict[str, list[dict]] = {name: [] for name in SETUPS}
-    rollouts: dict[str, list] = {name: [] for name in SETUPS}
+    timed: dict[str, list[dict]] = {name: [] for name in names}
+    rollouts: dict[str, list] = {name: [] for name in names}
     facts: dict[str, dict] = {}
     costs: dict[int, CostModel | None] = {}  # by workers: local1 and ray1 share one (see the module doc)
     with tempfile.TemporaryDirectory(prefix="rhymerl-workers-") as tmp:
         root = Path(out) if out is not None else Path(tmp)
         for r in range(repeats):
-            for name in SETUPS if r % 2 == 0 else reversed(list(SETUPS)):
+            for name in names if r % 2 == 0 else reversed(names):
                 workers = SETUPS[name][1]
                 progress.stage(f"{name} (repeat {r + 1}/{repeats}): start-up (model, {workers} worker(s)"
                                f"{', cost model' if costs.get(workers) is None else ''})")
@@ -180,7 +184,16 @@ def run(overrides: list[str] = (), steps: int = 4, warmup: int = 1, repeats: int
                 progress.note(f"{name}: {statistics.median(x['step_s'] for x in rows):.2f} s/step (median so far "
                               f"{_median(timed[name], 'step_s')})")
     progress.done()
-    return summarise(cfg, timed, rollouts, facts, steps, warmup, repeats)
+    return summarise(cfg, timed, rollouts, facts, steps, warmup, repeats) | ({"skipped": skipped} if skipped else {})
+
+
+def setups_that_fit() -> tuple[list[str], dict[str, str]]:
+    """The setups this machine runs, and why any other is skipped: on CUDA each Ray worker takes a GPU of
+    its own, so ray2 needs two (a Ray actor asking for a GPU the cluster lacks would wait forever)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    names = [name for name, (_, workers) in SETUPS.items() if gpus is None or workers <= gpus]
+    return names, {name: f"needs {SETUPS[name][1]} GPUs, this machine has {gpus}" for name in SETUPS
+                   if name not in names}
 
 
 def summarise(cfg, timed: dict[str, list[dict]], rollouts: dict[str, list], facts: dict[str, dict], steps: int,
@@ -198,9 +211,10 @@ def summarise(cfg, timed: dict[str, list[dict]], rollouts: dict[str, list], fact
                                                       "reward_s", "update_s", "sync_s", "other_s")}
     out["ray1_overhead_parts_s"] = parts
     out["ray1_overhead_main"] = max(parts, key=parts.get)
-    out["ray2_over_local1"] = round(out["ray2"]["step_s"] / local["step_s"], 4)
+    if "ray2" in out:
+        out["ray2_over_local1"] = round(out["ray2"]["step_s"] / local["step_s"], 4)
     first = rollouts["local1"][0]
-    out["same_rollouts"] = all(seen == first for name in SETUPS for seen in rollouts[name])
+    out["same_rollouts"] = all(seen == first for runs in rollouts.values() for seen in runs)
     r = cfg.rollout
     out["config"] = {"model": cfg.model.name, "dtype": local["dtype"], "steps": steps, "warmup": warmup,
                      "repeats": repeats, "prompts_per_step": cfg.train.prompts_per_step,
@@ -220,7 +234,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     for col in ("setup", "workers x threads", "step s", "vs local1", "rollout s", "worker span s", "dispatch s",
                 "history export s", "reward s", "update s", "sync s", "bubble"):
         t.add_column(col, justify="right")
-    for name in SETUPS:
+    for name in (n for n in SETUPS if n in summary):
         r = summary[name]
         t.add_row(name, f"{r['workers']} x {r['threads_per_worker']}", f"{r['step_s']:.3f}",
                   f"{r['step_s'] / summary['local1']['step_s']:.3f}x", f"{r['rollout_s']:.3f}",
@@ -232,6 +246,8 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   f"{100 * summary['ray1_overhead_paired']:+.1f}%; goal under 5%); the largest part: "
                   f"{summary['ray1_overhead_main']} ({parts[summary['ray1_overhead_main']]:+.3f} s); all parts, "
                   f"ray1 - local1: " + ", ".join(f"{k} {v:+.3f}" for k, v in parts.items()))
+    for name, why in summary.get("skipped", {}).items():
+        console.print(f"{name} skipped: {why}")
     if m.get("cpu_cores") and m["cpu_cores"] <= 2 and "gpu" not in m:
         console.print(f"ray2 on {m['cpu_cores']} cores: each worker has one torch thread, so ray2 measures the cost "
                       f"of splitting this machine ({summary['ray2_over_local1']:.3f}x local1), not a speed-up")
