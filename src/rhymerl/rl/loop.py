@@ -7,12 +7,19 @@ The run is a pure function of its config and seed: the prompts of step t come fr
 (seed, epoch), and every sampled token from keyed randomness (seed, request id, position) with request ids
 made of (step, prompt, generation). So a run resumed from a checkpoint repeats exactly what the
 uninterrupted run would have done, and HistoSpec on or off gives the same rollouts (up to bf16 rounding).
+
+`rollout.mode=one_step_off` (Ray workers): right after step t's rollout returned and the history recorded it,
+a driver thread starts step t+1's rollout on the workers, on the weights step t trains from, while the driver
+scores and trains step t; the driver joins it before loading the weights of version t+1, so a weight load
+never races a rollout. Step t+1's tokens are still a function of (seed, request ids, weights version t).
+The first step, and the step after each checkpoint, roll out synchronously (see `_rolls_ahead`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,7 +42,7 @@ from rhymerl.rl.checkpoint import (CheckpointError, check_checkpoint, latest_che
                                   read_spec_state, save_checkpoint, set_rng_state)
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
-from rhymerl.rl.rewards import RewardScorer, load_reward_function
+from rhymerl.rl.rewards import RewardFunctionError, RewardScorer, load_reward_function
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams, WorkerConfig
@@ -124,8 +131,15 @@ class TrainingRun:
         self.train_prompts, self.val_prompts, self.data_notes = load_prompts(cfg, self.tokenizer, cfg.run.seed)
 
         # ---- trainer, rewards ----
+        # one_step_off trains on samples of the weights one update older: truncated importance sampling
+        # corrects for that stale behaviour policy; in sync mode there is none to correct (see rl/trainer.py)
+        one_step_off = cfg.rollout.mode == "one_step_off"
         self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
-                                     self.ref_model, dtype=self.dtypes["train"])
+                                     self.ref_model, dtype=self.dtypes["train"],
+                                     tis_imp_ratio_cap=cfg.train.tis_imp_ratio_cap if one_step_off else 0.0)
+        # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray)
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if one_step_off else None
+        self._ahead: tuple[int, Future] | None = None  # (step, its rollout) started in the background
         fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
         self.scorer = RewardScorer(cfg.reward.format_weight, fn)
         self.reward_errors = 0
@@ -174,10 +188,12 @@ class TrainingRun:
         return cls(load_config(run_dir / "config.yaml", overrides), resume_dir=run_dir, **kw)
 
     # ---- one step ---------------------------------------------------------------------------------
-    def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str) -> RolloutResult:
-        """n responses per prompt; request ids (the keys of the random draws) are tag, prompt and generation."""
+    def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str,
+                 step: int | None = None) -> RolloutResult:
+        """n responses per prompt; request ids (the keys of the random draws) are tag, prompt and generation.
+        `step`: the training step as logged (from 1), for the workers' admission order; None for validation."""
         groups = [RolloutGroup(p.ids, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
-        result = self.pool.rollout(groups, params)
+        result = self.pool.rollout(groups, params, step=step)
         bad = [o for o in result.outputs if o.finish_reason == "error"]
         if bad:
             raise RuntimeError(f"rollout request {bad[0].request_id} was rejected: {bad[0].error}")
@@ -218,20 +234,75 @@ class TrainingRun:
             out["histopipe/rank_corr"] = report["rank_corr"]
         return out
 
+    def _step_prompts(self, step: int) -> list[Prompt]:
+        """The prompts of step `step` (0-based): known in advance, a permutation keyed by (seed, epoch)."""
+        cfg = self.cfg
+        rows = batch_indices(step, len(self.train_prompts), cfg.train.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+        return [self.train_prompts[i] for i in rows]
+
+    def _train_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                              max_tokens=r.max_completion_length, seed=self.cfg.run.seed)
+
+    def _train_rollout(self, step: int) -> RolloutResult:
+        """Step `step`'s rollout (0-based) on the weights the pool holds now."""
+        return self._rollout(self._step_prompts(step), self.cfg.rollout.num_generations, self._train_params(),
+                             f"train-s{step}", step=step + 1)
+
+    # ---- one_step_off: the next step's rollout in the background ------------------------------------
+    def _rolls_ahead(self, step: int) -> bool:
+        """Whether step `step`'s rollout starts in the background while step - 1 trains (one_step_off): not
+        past the last step, and not for the step right after a checkpoint. A checkpoint holds its own step's
+        weights only, so a run resumed there could not roll that step out on the weights one step older; that
+        step rolls out synchronously in the uninterrupted run too, and resume stays exact."""
+        cfg = self.cfg
+        return (self._background is not None and step < cfg.train.total_steps
+                and not (cfg.run.save_every > 0 and step % cfg.run.save_every == 0))
+
+    def _start_ahead(self, step: int) -> None:
+        """Start step `step`'s rollout in the background if it rolls ahead (after the history recorded the
+        step before: its slices then hold what a synchronous rollout's would)."""
+        if self._rolls_ahead(step):
+            self._ahead = (step, self._background.submit(self._train_rollout, step))
+
+    def _join_ahead(self) -> float:
+        """Wait for the background rollout, if any (its error, if it failed, raises here); the seconds waited."""
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            self._ahead[1].result()
+        return time.perf_counter() - t0
+
+    def _take_ahead(self, step: int) -> RolloutResult | None:
+        """Step `step`'s rollout if it ran in the background (then joined), else None."""
+        if self._ahead is None:
+            return None
+        ahead, future = self._ahead
+        if ahead != step:
+            raise RuntimeError(f"the background rollout is step {ahead}'s, but step {step} runs: one_step_off rolls "
+                               f"out only the step after the one training")
+        self._ahead = None
+        return future.result()
+
     def train_step(self, step: int) -> dict:
-        """Run step `step` (0-based) and return its metrics."""
+        """Run step `step` (0-based) and return its metrics. In one_step_off its rollout ran in the background
+        during the previous step's update (or runs now: the first step, the one after a checkpoint), and the
+        next step's starts once this one's history is recorded."""
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
-        rows = batch_indices(step, len(self.train_prompts), cfg.train.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
-        prompts = [self.train_prompts[i] for i in rows]
+        prompts = self._step_prompts(step)
         G = r.num_generations
-        params = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                max_tokens=r.max_completion_length, seed=cfg.run.seed)
-        result = self._rollout(prompts, G, params, f"train-s{step}")
+        params = self._train_params()
+        result = self._take_ahead(step)
+        if result is None:  # sync mode, or a step that does not roll ahead
+            result = self._train_rollout(step)
         outs = result.outputs
         t1 = time.perf_counter()
         examples = [p.example for p in prompts for _ in range(G)]
         scored = self.scorer.score([o.text for o in outs], examples)
+        if scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
+            raise RewardFunctionError(f"step {step + 1}: the reward failed on every completion ({len(outs)}); "
+                                      f"the first: {scored.error_messages[0]}")
         self.reward_errors += scored.errors
         for msg in scored.error_messages[:3]:
             tqdm.write(f"[reward] step {step}: {msg}", file=sys.stderr)
@@ -244,6 +315,7 @@ class TrainingRun:
         for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
             group = outs[i * G : (i + 1) * G]
             self.pool.record(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
+        self._start_ahead(step + 1)  # one_step_off: on the weights this step trains from, during its update
         t2 = time.perf_counter()
         samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a, temperature=params.temperature)
                    for k, (o, a) in enumerate(zip(outs, adv.tolist()))]
@@ -251,8 +323,10 @@ class TrainingRun:
             metrics = self.trainer.update(samples)
         release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
         t3 = time.perf_counter()
-        self.pool.load_weights(merged_parameters(self.model), version=step + 1)
+        waited = self._join_ahead()  # before the weights change: a weight load never races a rollout
         t4 = time.perf_counter()
+        self.pool.load_weights(merged_parameters(self.model), version=step + 1)
+        t5 = time.perf_counter()
 
         lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
         metrics |= {
@@ -269,9 +343,15 @@ class TrainingRun:
             "reward/errors": scored.errors, "reward/errors_total": self.reward_errors,
             "epoch": (step * cfg.train.prompts_per_step) // len(self.train_prompts),
             "history/tokens": self.history.size().get("tokens", 0),
+            # 0 in sync mode; 1 in one_step_off for a step rolled out on the weights before the last update
+            "rollout/staleness": step - result.weights_version,
+            # the driver's time in each phase, adding up to the step: a rollout run in the background during the
+            # previous step counts only as that step's rollout_wait (one_step_off), not as this one's rollout
             "timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "timing_s/update": t3 - t2,
-            "timing_s/sync": t4 - t3,
+            "timing_s/sync": t5 - t4,
         }
+        if self._background is not None:  # how long the driver waited for the next step's rollout
+            metrics["timing_s/rollout_wait"] = waited
         metrics |= self._rollout_metrics("rollout", result) | length_report
         return metrics
 
@@ -332,6 +412,8 @@ class TrainingRun:
                                 tok_s=f"{m['rollout/tokens_per_s']:.0f}",
                                 accept=f"{m.get('rollout/spec_accept_rate', 0):.2f}")
         finally:
+            if self._background is not None:  # a failed step may leave the next one's rollout running
+                self._background.shutdown(wait=True)
             bar.close()
             self.logger.close()
         return self.run_dir

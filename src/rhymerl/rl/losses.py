@@ -15,6 +15,10 @@ aggregated over completion tokens (mask) according to loss_type:
                 instead, so its loss moves with the micro-batch split; rhymerl's always uses the whole batch's
                 count, i.e. its "bnpo" is TRL's "dapo" (checked against TRL's GRPOConfig docs, 2026-11-25)
     "dr_grpo" : sum over all tokens / (B * max_completion_length) (Dr. GRPO: a constant, length-unbiased normaliser)
+
+When the samples come from an older policy than the one the ratio's old_logp belongs to (rollout.mode=
+one_step_off), each token's policy-gradient term is also multiplied by a truncated importance-sampling weight
+(`tis_weights`, verl's TIS) before the aggregation.
 """
 
 from __future__ import annotations
@@ -52,6 +56,25 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)  # [B, T]
 
 
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance-sampling weights (verl's TIS, `tis_imp_ratio_cap`) for samples drawn by an older
+    behaviour policy than the proximal one the PPO ratio starts from:
+
+        w_bt = min(exp(old_logp_bt - rollout_logp_bt), cap)      (detached: a weight, not a path for gradients)
+
+    old_logp: [B, T] the proximal policy's log-probs of the sampled tokens (the trainer's recomputation);
+    rollout_logp: [B, T] the behaviour policy's (what the rollout recorded). Returns (w [B, T], truncated
+    [B, T] bool: where the ratio exceeded cap). Raises ValueError for cap <= 0 (off is the caller's choice)
+    or mismatched shapes."""
+    if cap <= 0:
+        raise ValueError(f"the TIS cap must be > 0, got {cap} (<= 0 means off: do not call tis_weights)")
+    if old_logp.shape != rollout_logp.shape:
+        raise ValueError(f"old_logp and rollout_logp must share one [B, T] shape, got {tuple(old_logp.shape)} "
+                         f"and {tuple(rollout_logp.shape)}")
+    ratio = torch.exp(old_logp.detach() - rollout_logp.detach())  # [B, T] proximal / behaviour
+    return ratio.clamp(max=cap), ratio > cap  # [B, T], [B, T]
+
+
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int | None):
     """Reduce per-token losses [B, T] over completion tokens (mask [B, T]) to a scalar, per loss_type."""
     if loss_type == "grpo":
@@ -73,13 +96,15 @@ def policy_loss(
     max_completion_length: int | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    tis_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped-surrogate policy loss (scalar) and its stats, for the sampled tokens of a batch of completions.
 
     logp, old_logp: [B, T] log-probs of the sampled tokens under the policy being trained / the behaviour policy
     (old_logp is detached); advantages: [B] one per completion; mask: [B, T], 1 on completion tokens.
     With beta > 0, beta * kl_k3(logp, ref_logp) is added per token before aggregation, so the KL term is
-    aggregated with the same loss_type as the policy term (as TRL does).
+    aggregated with the same loss_type as the policy term (as TRL does). tis_weight: [B, T] (`tis_weights`)
+    multiplies the policy-gradient term per token (not the KL term, as verl); None = no weighting.
 
     stats (python floats, over completion tokens):
       "clipfrac": fraction of tokens whose clipped term was chosen with a different value, i.e. the ratio left
@@ -106,12 +131,16 @@ def policy_loss(
                          f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be [B] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    if tis_weight is not None and tis_weight.shape != logp.shape:
+        raise ValueError(f"tis_weight must be [B, T] = {tuple(logp.shape)}, got {tuple(tis_weight.shape)}")
 
     mask = mask.to(logp.dtype)  # [B, T]
     A = advantages.to(logp.dtype).unsqueeze(1)  # [B, 1]
     ratio = torch.exp(logp - old_logp.detach())  # [B, T]
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)  # [B, T]
     per_token = -torch.min(ratio * A, clipped * A)  # [B, T] pessimistic surrogate
+    if tis_weight is not None:
+        per_token = per_token * tis_weight.detach().to(logp.dtype)  # [B, T] behaviour -> proximal correction
     if beta > 0:
         kl = kl_k3(logp, ref_logp)  # [B, T]
         per_token = per_token + beta * kl

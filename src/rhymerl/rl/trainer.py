@@ -13,6 +13,14 @@ drafts (a verification forward rounds differently from a 1-token decode), and Ad
 gradient differences into learning-rate-sized steps on near-zero-gradient weights, so rollout-side old
 log-probs would make spec-on and spec-off runs drift apart. `recompute_logprobs=false` uses the rollout's
 instead. Either way the largest and mean absolute difference between the two is reported.
+
+In rollout.mode=one_step_off the samples come from the weights one update older than the trainer's: the
+recomputed old log-probs are then the proximal policy's, and `tis_imp_ratio_cap` > 0 (the loop passes
+train.tis_imp_ratio_cap in that mode only) weights each token's policy-gradient term by
+min(exp(old - rollout log-prob), cap), verl's truncated importance sampling (`rl.losses.tis_weights`), against
+the stale behaviour policy. In sync mode the two differ only by rollout numerics (dtype, speculation's
+verification shapes), and weighting by that gap would tie training to speculation, so the loop passes 0 (off).
+With recompute_logprobs=false the old log-probs are the rollout's and every weight is exactly 1.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from rhymerl.config import TrainSection
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.rl.logprobs import Sample, logprob_temperature, padded, token_logprobs
-from rhymerl.rl.losses import policy_loss
+from rhymerl.rl.losses import policy_loss, tis_weights
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
@@ -48,12 +56,14 @@ class PolicyTrainer:
     """Owns the optimizer and schedule of `model` (fp32 master weights; bf16 autocast if configured)."""
 
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
-                 ref_model: Decoder | None = None, dtype: str | None = None):
+                 ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0):
         """`dtype`: what the update computes in, resolved ("bf16" = bf16 autocast, "fp32"); by default
-        `cfg.dtype` as `resolve_dtype` decides it for the model's device."""
+        `cfg.dtype` as `resolve_dtype` decides it for the model's device. `tis_imp_ratio_cap` > 0: truncated
+        importance sampling against the rollout's log-probs (see the module doc); <= 0: off."""
         if cfg.beta > 0 and ref_model is None:
             raise ValueError("train.beta > 0 needs a reference model")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
+        self.tis_cap = tis_imp_ratio_cap
         # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
         self.temperature = logprob_temperature(temperature)
         self.max_completion_length = max_completion_length
@@ -106,7 +116,8 @@ class PolicyTrainer:
         # Sums over (iteration, micro-batch, completion token) of the trained sequences; "tok" counts those
         # (token, iteration) pairs, "tok0" the tokens of iteration 0 only (the behaviour-policy forward).
         acc = {"loss": 0.0, "clip": 0.0, "clip_low": 0.0, "clip_high": 0.0, "ratio": 0.0, "kl": 0.0,
-               "ent": 0.0, "tok": 0, "tok0": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0}
+               "ent": 0.0, "tok": 0, "tok0": 0, "diff_max": 0.0, "diff_sum": 0.0, "ppo_kl": 0.0, "tis": 0.0,
+               "tis_truncated": 0.0}
         grad_norm = 0.0
         # id(sample) -> old log-probs [T_s]; filled by the first iteration when the trainer's own are used
         old = {} if cfg.recompute_logprobs else {id(s): torch.tensor(s.logprobs) for s in samples}
@@ -155,6 +166,9 @@ class PolicyTrainer:
         }
         if cfg.beta > 0:  # k3 KL to the reference: every iteration x every completion token (all are trained)
             metrics["actor/kl"] = acc["kl"] / n
+        if self.tis_cap > 0:  # the weights are the same in every iteration: over every trained token once
+            metrics["actor/tis_weight_mean"] = acc["tis"] / n0 if acc["tok0"] else 1.0
+            metrics["actor/tis_clipfrac"] = acc["tis_truncated"] / n0  # tokens whose weight was cut to the cap
         return metrics
 
     def _micro_step(self, mb: list[Sample], old: dict, iteration: int, total_tokens: int, total_seqs: int,
@@ -163,7 +177,7 @@ class PolicyTrainer:
         first = iteration == 0
         logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=True)
         T, device = logp.shape[1], logp.device
-        if first and cfg.recompute_logprobs:  # the policy before this batch's update: the behaviour policy
+        if first and cfg.recompute_logprobs:  # the policy before this batch's update (behaviour or proximal)
             for b, s in enumerate(mb):
                 old[id(s)] = logp[b, : len(s.completion_ids)].detach()
         old_logp = padded([old[id(s)] for s in mb], T, device)  # [B, T]
@@ -172,9 +186,13 @@ class PolicyTrainer:
         if cfg.beta > 0:
             with torch.no_grad():
                 ref_logp, _, _ = token_logprobs(self.ref_model, mb, self.temperature, self.autocast)
+        rollout_logp = padded([s.logprobs for s in mb], T, device)  # [B, T] the behaviour policy's
+        tis = truncated = None
+        if self.tis_cap > 0:  # [B, T] each: the stale behaviour policy -> the proximal one (old_logp)
+            tis, truncated = tis_weights(old_logp, rollout_logp, self.tis_cap)
         # train.epsilon_high 0 means "the same as epsilon" (TRL's default, None there)
         loss, stats = policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
-                                  cfg.loss_type, self.max_completion_length, ref_logp, cfg.beta)
+                                  cfg.loss_type, self.max_completion_length, ref_logp, cfg.beta, tis_weight=tis)
         # From this micro-batch's normaliser to the whole batch's (see the module docstring).
         tokens = int(mask.sum().item())
         scale = tokens / total_tokens if cfg.loss_type in ("dapo", "bnpo") else len(mb) / total_seqs
@@ -191,9 +209,12 @@ class PolicyTrainer:
         acc["ppo_kl"] += ((old_logp - logp.detach()) * mask).sum().item()
         if first:  # the rollout-vs-trainer gap, at the behaviour policy only (see `update`)
             acc["tok0"] += tokens
-            diff = ((logp.detach() - padded([s.logprobs for s in mb], T, device)).abs() * mask)
+            diff = ((logp.detach() - rollout_logp).abs() * mask)
             acc["diff_max"] = max(acc["diff_max"], diff.max().item())
             acc["diff_sum"] += diff.sum().item()
+            if tis is not None:
+                acc["tis"] += (tis * mask).sum().item()
+                acc["tis_truncated"] += (truncated * mask).sum().item()
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
