@@ -214,9 +214,9 @@ class RayPool:
             self.pids[worker] = ray.get(self.actors[worker].pid.remote())
             return True
         del self.actors[worker], self.pids[worker]
-        if not self.actors:
+        if not self.actors:  # one error, not chained to Ray's (raised while handling it): `why` says what it was
             raise RuntimeError(f"rollout worker {worker} {why} after {self.max_restarts} restarts "
-                               f"(rollout.max_worker_restarts) and no rollout worker is left")
+                               f"(rollout.max_worker_restarts) and no rollout worker is left") from None
         print(f"[rollout] worker {worker} {why} after {self.max_restarts} restarts (rollout.max_worker_restarts): "
               f"dropped; {len(self.actors)} workers go on", file=sys.stderr)
         return False
