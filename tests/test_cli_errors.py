@@ -51,7 +51,8 @@ def model_dir(tmp_path_factory) -> Path:
 def _train_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return ["train", f"model.name={model_dir}", f"run.output_dir={out}", "data.num_train_prompts=4",
             "data.num_val_prompts=0", "data.max_prompt_length=240", "train.prompts_per_step=2",
-            "rollout.num_generations=2", "rollout.max_completion_length=4", "val.max_completion_length=4", "val.every=0", "rollout.num_slots=4",
+            "rollout.num_generations=2", "rollout.max_completion_length=4", "val.max_completion_length=4",
+            "val.every=0", "rollout.num_slots=4",
             "train.micro_batch_size=4", "train.dtype=fp32", "rollout.dtype=fp32", "rollout.speculative=off",
             "run.progress=false", "run.tensorboard=false", *extra]
 
@@ -172,6 +173,22 @@ def test_generate_options_are_checked(tmp_path, capsys, model_dir):
     # a prompt longer than the context is refused, not run (and the command fails when nothing ran)
     assert cli.main(["generate", "--model", str(model_dir), "--no-chat-template", "x" * 300]) == 1
     assert "the context holds 256" in capsys.readouterr().out
+
+
+def test_reward_modules_that_cannot_work_stop_the_run(tmp_path, capsys, model_dir):
+    module = tmp_path / "rewards.py"
+    module.write_text("def two_args(completion, ground_truth):\n    return 1.0\n\n"
+                      "def broken(**kwargs):\n    raise KeyError('answer')\n\n"
+                      "import no_such_module_here\n")
+    _fails(capsys, _train_args(model_dir, tmp_path / "r", f"reward.function={module}:two_args"),
+           "rewards.py", "no_such_module_here")
+    module.write_text(module.read_text().replace("import no_such_module_here\n", ""))
+    _fails(capsys, _train_args(model_dir, tmp_path / "r", f"reward.function={module}:two_args"),
+           "rewards.py:two_args", "cannot be called", "data_source")
+    # every completion's reward failing: the run stops at its first step with the first error
+    _fails(capsys, _train_args(model_dir, tmp_path / "r2", f"reward.function={module}:broken", "train.total_steps=3"),
+           "step 1", "every completion", "KeyError")
+    assert latest_checkpoint(tmp_path / "r2") is None
 
 
 # ---------------------------------------------------------------- report

@@ -99,8 +99,8 @@ def cmd_generate(args) -> int:
     model_dir = resolve_model_dir(args.model)
     context = ModelConfig.from_dir(model_dir).max_position_embeddings
     max_model_len = args.max_model_len or min(2048, context)
-    check_context(model_dir, max_model_len=max_model_len, num_slots=args.num_slots, dtype=parse_dtype(args.dtype, device),
-                  device=device, key="--max-model-len", slots_key="--num-slots")
+    check_context(model_dir, max_model_len=max_model_len, num_slots=args.num_slots,
+                  dtype=parse_dtype(args.dtype, device), device=device, key="--max-model-len", slots_key="--num-slots")
     model, tokenizer, model_dir = load_pretrained(str(model_dir), args.dtype, device)
     engine = Engine(model, tokenizer, num_slots=args.num_slots, max_model_len=max_model_len)
     ids = [encode(tokenizer, p, not args.no_chat_template) for p in prompts]
@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     be.add_argument("--dtype", default="auto", help="auto | bf16 | fp32, for both sides (auto: bf16 where native, else fp32)")
     be.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (slots for our engine)")
-    be.add_argument("--num-prompts", type=int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
-    be.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
+    be.add_argument("--num-prompts", type=positive_int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
+    be.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
     be.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     be.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     be.add_argument("--seed", type=int, default=0, help="sampling seed and prompt-set seed")
@@ -290,20 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     bs.add_argument("--dtype", default="auto", help="dtype of the timed rollouts, auto = bf16 where native, else fp32 (identity and the fp32 tail always run in fp32)")
     bs.add_argument("--temperatures", default="0.3,0.6,1.0", help="comma-separated sampling temperatures")
-    bs.add_argument("--num-prompts", type=int, default=16, help="distinct prompts (each recurs in the second epoch)")
-    bs.add_argument("--num-generations", type=int, default=8, help="responses per prompt and epoch")
-    bs.add_argument("--slots", type=int, default=32, help="sequences decoded together")
-    bs.add_argument("--max-tokens", type=int, default=256, help="max_completion_length")
+    bs.add_argument("--num-prompts", type=positive_int, default=16,
+                    help="distinct prompts (each recurs in the second epoch)")
+    bs.add_argument("--num-generations", type=positive_int, default=8, help="responses per prompt and epoch")
+    bs.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
+    bs.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
     bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
-    bs.add_argument("--repeats", type=int, default=3,
+    bs.add_argument("--repeats", type=positive_int, default=3,
                     help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its "
                          "fastest (with 2, a machine whose speed drifts by a few percent left one side on a slow "
                          "stretch in some runs)")
-    bs.add_argument("--epoch-seeds", type=int, default=1,
+    bs.add_argument("--epoch-seeds", type=positive_int, default=1,
                     help="timed epochs with seeds seed+2000, seed+2001, ...; figures are totals over them (the tail and "
                          "identity use the first)")
     bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
-    bs.add_argument("--identity-max-tokens", type=int, default=96, help="max_completion_length of the identity check")
+    bs.add_argument("--identity-max-tokens", type=positive_int, default=96,
+                    help="max_completion_length of the identity check")
     bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,
                     help="per-sequence draft length rule (the step budget applies to all)")
     bs.add_argument("--max-draft-tokens", type=int, default=32, help="draft tokens per sequence and step, at most")
@@ -323,18 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--cost-from", default="measure", metavar="measure|FILE.json",
                     help="the simulation's cost model: measured on --model at start-up, or a CostModel.as_dict() JSON")
     bp.add_argument("--workers", default="8,64,1024", help="comma-separated simulated worker counts")
-    bp.add_argument("--slots", type=int, default=32, help="slots per simulated worker (and of the measured cost model)")
+    bp.add_argument("--slots", type=positive_int, default=32,
+                    help="slots per simulated worker (and of the measured cost model)")
     bp.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     bp.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: the cost model's and the real runs'")
     bp.add_argument("--device", default=None, help=DEVICE_HELP)
     bp.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
                     help="also time one real worker, FIFO vs longest-first admission (--no-real: simulation only)")
-    bp.add_argument("--repeats", type=int, default=3, help="real runs of each admission order, alternating; the median counts")
-    bp.add_argument("--real-prompts", type=int, default=16, help="built-in arithmetic prompts of the real runs")
-    bp.add_argument("--num-generations", type=int, default=4, help="responses per prompt in the real runs")
-    bp.add_argument("--real-slots", type=int, default=16, help="the real worker's slots (fewer than its requests, "
+    bp.add_argument("--repeats", type=positive_int, default=3,
+                    help="real runs of each admission order, alternating; the median counts")
+    bp.add_argument("--real-prompts", type=positive_int, default=16,
+                    help="built-in arithmetic prompts of the real runs")
+    bp.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt in the real runs")
+    bp.add_argument("--real-slots", type=positive_int, default=16,
+                    help="the real worker's slots (fewer than its requests, "
                                                                "so that admission order matters)")
-    bp.add_argument("--max-tokens", type=int, default=128, help="max_completion_length of the real runs")
+    bp.add_argument("--max-tokens", type=positive_int, default=128, help="max_completion_length of the real runs")
     bp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the real runs")
     bp.add_argument("--seed", type=int, default=0,
                     help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
@@ -344,20 +350,22 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=_DefaultsHelp)
     bm.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     bm.add_argument("--rows", default="1,8,32,64,96,128", help="comma-separated tokens per step")
-    bm.add_argument("--repeats", type=int, default=7, help="timed runs of each kernel, alternating; the median counts")
+    bm.add_argument("--repeats", type=positive_int, default=7,
+                    help="timed runs of each kernel, alternating; the median counts")
     bm.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     bm.set_defaults(func=cmd_bench_matmul)
     b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)",
                          formatter_class=_DefaultsHelp)
     b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
-    b2.add_argument("--num-prompts", type=int, default=8, help="size of the built-in prompt set")
-    b2.add_argument("--prompts-per-step", type=int, default=2, help="prompts per GRPO step")
-    b2.add_argument("--num-generations", type=int, default=4, help="responses per prompt")
-    b2.add_argument("--max-completion-length", type=int, default=128, help="response tokens, at most")
-    b2.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward/backward in the update")
+    b2.add_argument("--num-prompts", type=positive_int, default=8, help="size of the built-in prompt set")
+    b2.add_argument("--prompts-per-step", type=positive_int, default=2, help="prompts per GRPO step")
+    b2.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt")
+    b2.add_argument("--max-completion-length", type=positive_int, default=128, help="response tokens, at most")
+    b2.add_argument("--micro-batch-size", type=positive_int, default=8,
+                    help="sequences per forward/backward in the update")
     b2.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW, constant")
-    b2.add_argument("--epochs", type=int, default=3, help="passes over the prompt set")
+    b2.add_argument("--epochs", type=positive_int, default=3, help="passes over the prompt set")
     b2.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     b2.add_argument("--format-weight", type=float, default=0.2, help="reward = correctness + weight x format")
     b2.add_argument("--seed", type=int, default=0, help="one seed for every run")

@@ -190,7 +190,10 @@ def test_load_reward_function_from_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         assert load_reward_function("reward_pkg_xyz.scores:exact")() == 1.0
-        assert load_reward_function("rhymerl.rl.rewards:math_reward") is math_reward
+        # math_reward(completion, ground_truth) cannot take data_source and prompt: refused at load, not at
+        # every call (issue 26 item 13)
+        with pytest.raises(RewardFunctionError, match="math_reward'.*cannot be called as fn"):
+            load_reward_function("rhymerl.rl.rewards:math_reward")
         with pytest.raises(RewardFunctionError, match="module 'reward_pkg_xyz.nothing' not found"):
             load_reward_function("reward_pkg_xyz.nothing:f")
         with pytest.raises(RewardFunctionError, match="module 'no_such_pkg_xyz' not found"):

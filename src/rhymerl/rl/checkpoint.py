@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from rhymerl.atomic_file import atomic_write, fsync_dir, fsync_tree
 from rhymerl.errors import UserError
-from rhymerl.model.fetch import check_model_dir
+from rhymerl.model.directory import check_model_dir
 
 LATEST = "latest"
 _PREFIX = "step_"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -67,7 +68,9 @@ def load_reward_function(spec: str) -> Callable:
 
     prompt is the example's text, or its chat messages as [{"role", "content"}, ...]. (verl users: returning
     a dict with a "score" key, as verl's reward functions may, works too.) Raises RewardFunctionError when the
-    spec is malformed, the module or file cannot be found or imported, or the name is missing or not callable.
+    spec is malformed, the module or file cannot be found or imported, the name is missing or not callable, or
+    its signature does not take those keyword arguments (so the run stops before its first step rather than
+    training on zero rewards, every call failing).
     """
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
@@ -90,7 +93,22 @@ def load_reward_function(spec: str) -> Callable:
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardFunctionError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not callable")
+    _check_signature(spec, fn)
     return fn
+
+
+def _check_signature(spec: str, fn: Callable) -> None:
+    """Raise RewardFunctionError unless fn can be called with the documented keyword arguments."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without an inspectable signature: its first call will tell
+        return
+    try:
+        signature.bind(completion="", ground_truth="", data_source="", prompt="")
+    except TypeError as e:
+        raise RewardFunctionError(f"reward function {spec!r}: cannot be called as fn(completion=..., ground_truth="
+                                  f"..., data_source=..., prompt=...) ({e}); take these keyword arguments (add "
+                                  f"**kwargs for those it does not use)") from None
 
 
 def _is_file(target: str) -> bool:
