@@ -9,7 +9,7 @@ import random
 import sys
 from dataclasses import dataclass
 
-from rhymerl.config import TrainConfig
+from rhymerl.config import ConfigError, TrainConfig
 from rhymerl.data.dataset import Example, builtin_examples, read_dataset
 from rhymerl.model.pretrained import chat_prompt_ids
 
@@ -66,6 +66,6 @@ def load_prompts(cfg: TrainConfig, tokenizer, seed: int) -> tuple[list[Prompt], 
         print(f"[data] skipped {msg}", file=sys.stderr)
     notes["data/skipped_long_prompts"] = len(skipped) + len(skipped_val)
     if not train_p:
-        raise ValueError(f"no training prompts left (all {len(train)} longer than data.max_prompt_length="
-                         f"{d.max_prompt_length} tokens?)")
+        raise ConfigError(f"no training prompts left (all {len(train)} longer than data.max_prompt_length="
+                          f"{d.max_prompt_length} tokens?): raise data.max_prompt_length")
     return train_p, val_p, notes
