@@ -252,20 +252,28 @@ def test_a_resume_with_two_or_one_workers_repeats_the_run(cluster, ray_run, tmp_
     assert worker_totals(rows) == worker_totals(full)
 
 
-def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, local_rows, tmp_path):
-    """One worker, no restarts allowed: its actor killed during step 3's rollout leaves no worker, and the run
-    stops with one RuntimeError naming rollout.max_worker_restarts. The checkpoint of step 2 is intact: a
-    resume (here on the local backend) finishes the run as the uninterrupted one."""
+def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, local_rows, tiny_dir, tmp_path, capfd):
+    """One worker, allowed one restart: its actor killed during step 3's rollout, and the fresh actor failing to
+    start (the model directory it builds from is gone), which counts as its second failure, leave no worker:
+    the run stops with one RuntimeError naming rollout.max_worker_restarts. The checkpoint of step 2 is
+    intact: a resume (on the local backend) finishes the run as the uninterrupted one."""
     half = half_run(ray_run, tmp_path / "half")
-    run = TrainingRun.resume(half, ["rollout.num_workers=1", "rollout.max_worker_restarts=0"], cost_model=FLAT)
+    model = shutil.copytree(tiny_dir, tmp_path / "model")
+    run = TrainingRun.resume(half, ["rollout.num_workers=1", "rollout.max_worker_restarts=1", f"model.name={model}"],
+                             cost_model=FLAT)
+    shutil.rmtree(model)  # a restarted worker cannot build its model any more
     faults = Faults(run, kill_at={0}, victim=0)  # the resumed run's first rollout: step 3
-    with pytest.raises(RuntimeError, match=r"rollout.max_worker_restarts.*no rollout worker is left") as err:
+    with pytest.raises(RuntimeError, match=r"failed to restart .*rollout.max_worker_restarts.*no rollout worker is "
+                                           r"left") as err:
         train(run)
     assert type(err.value) is RuntimeError  # one error, not a trail of Ray's
     assert "".join(traceback.format_exception(err.value)).count("Traceback") == 1
-    assert len(faults.killed) == 1 and not alive(faults.killed[0]) and run.pool.workers == []
+    assert len(faults.killed) == 1 and not alive(faults.killed[0])
+    assert run.pool.restarts == [1] and run.pool.workers == []
+    assert "worker 0 died (ActorDiedError): restarting it (1/1" in capfd.readouterr().err
     assert latest_checkpoint(half).name == "step_000002"
     assert [r["step"] for r in read_metrics(half)] == [0, 1, 2]  # step 3 left no row
     load_checkpoint(latest_checkpoint(half))  # readable
-    rows = train(TrainingRun.resume(half, ["rollout.backend=local", "rollout.num_workers=1"], cost_model=FLAT))
+    rows = train(TrainingRun.resume(half, ["rollout.backend=local", "rollout.num_workers=1", f"model.name={tiny_dir}"],
+                                    cost_model=FLAT))
     assert learned(rows) == learned(local_rows)

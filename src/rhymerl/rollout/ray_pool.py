@@ -105,6 +105,13 @@ def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str,
         return {name: torch.from_numpy(a).view(dtype) for name, a in weights.items()}
 
 
+def _last_line(error: Exception) -> str:
+    """The last line of `error`'s message: for an actor whose constructor raised, Ray's message ends with that
+    exception (type and message) after its traceback."""
+    lines = str(error).strip().splitlines()
+    return lines[-1].strip() if lines else type(error).__name__
+
+
 # `hand_over` runs in a concurrency group of its own, beside a running `rollout` (the default group keeps one
 # thread: a worker's rollouts and weight loads never overlap).
 @ray.remote(concurrency_groups={"handover": 1})
@@ -203,16 +210,20 @@ class RayPool:
 
     def _recover(self, worker: int, why: str) -> bool:
         """After `worker` failed: a fresh actor for it on the current weights (its history replica refills from
-        the next slice it is sent; True), or, past `max_restarts`, drop it (False). RuntimeError when no
-        worker is left."""
+        the next slice it is sent; True), or, past `max_restarts`, drop it (False). A fresh actor that fails to
+        start counts as one more failure. RuntimeError when no worker is left."""
         ray.kill(self.actors[worker], no_restart=True)
-        if self.restarts[worker] < self.max_restarts:
+        while self.restarts[worker] < self.max_restarts:
             self.restarts[worker] += 1
             print(f"[rollout] worker {worker} {why}: restarting it ({self.restarts[worker]}/{self.max_restarts}, "
                   f"rollout.max_worker_restarts) and running its requests again", file=sys.stderr)
             self.actors[worker] = self._spawn(worker)
-            self.pids[worker] = ray.get(self.actors[worker].pid.remote())
-            return True
+            try:
+                self.pids[worker] = ray.get(self.actors[worker].pid.remote())
+                return True
+            except RayActorError as e:  # its constructor raised (2026-11-25: this escaped the pool before)
+                why = f"failed to restart ({_last_line(e)})"
+                ray.kill(self.actors[worker], no_restart=True)
         del self.actors[worker], self.pids[worker]
         if not self.actors:  # one error, not chained to Ray's (raised while handling it): `why` says what it was
             raise RuntimeError(f"rollout worker {worker} {why} after {self.max_restarts} restarts "
