@@ -428,3 +428,46 @@ def test_a_resumed_auto_run_keeps_the_dtypes_it_started_with(tiny_dir, tmp_path,
     switched = TrainingRun.resume(out, ["rollout.dtype=fp32"], cost_model=FLAT)
     assert next(switched.pool.worker.model.parameters()).dtype == torch.float32
     assert switched.trainer.autocast == torch.bfloat16  # train.dtype is still auto: kept
+
+
+# Dynamic sampling's input: the groups of half of the prompts (by a hash of the prompt) score a constant.
+HALF_CONSTANT_PY = '''
+import zlib
+
+def half_constant(completion, ground_truth, data_source, prompt):
+    if zlib.crc32(str(prompt).encode()) % 2:
+        return 0.5
+    text = completion or " "
+    return sum(c in "aeiou" for c in text) / len(text)
+'''
+
+
+def test_dynamic_sampling_draws_more_prompts_and_resumes_exactly(tiny_dir, tmp_path):
+    """train.filter_groups (DAPO): groups whose rewards are all equal are dropped and further batches of
+    prompts are rolled out until prompts_per_step groups are kept; the data position, ahead of the step,
+    is checkpointed, so a resumed run repeats the uninterrupted one."""
+    (tmp_path / "half.py").write_text(HALF_CONSTANT_PY)
+    extra = ("train.total_steps=4", "val.every=0", "train.filter_groups=true", "train.max_num_gen_batches=4",
+             "data.num_train_prompts=8", f"reward.function={tmp_path / 'half.py'}:half_constant")
+    full = read_metrics(TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "full", *extra))).run())
+    steps = [r for r in full if r["step"] > 0]
+    assert any(r["train/num_gen_batches"] > 1 for r in steps)  # some step drew more than one batch
+    assert any(r["train/filtered_groups_frac"] > 0 for r in steps)
+    for r in steps:
+        assert r["train/kept_groups"] <= 2
+        if r["train/kept_groups"] == 2:
+            assert r["critic/zero_std_frac"] == 0.0  # every trained group has non-zero advantages
+    # Lengths of the trace: every drawn group is recorded, dropped ones included.
+    drawn = {row["step"]: len(row["groups"]) for row in read_trace(tmp_path / "full")}
+    assert [drawn[r["step"]] for r in steps] == [2 * r["train/num_gen_batches"] for r in steps]
+
+    cut = _overrides(tiny_dir, tmp_path / "cut", *extra, "run.save_every=2")
+    TrainingRun(load_config(None, [*cut, "train.total_steps=2"])).run()
+    resumed = read_metrics(TrainingRun.resume(tmp_path / "cut", ["train.total_steps=4"]).run())
+    assert _learned(resumed) == _learned(full)
+
+
+def test_dynamic_sampling_needs_sync_mode(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="train.filter_groups: needs rollout.mode=sync"):
+        load_config(None, _overrides(tiny_dir, tmp_path, "train.filter_groups=true", "rollout.backend=ray",
+                                     "rollout.mode=one_step_off"))

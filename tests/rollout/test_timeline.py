@@ -11,7 +11,7 @@ from rhymerl.histopipe.simulate import simulate
 from rhymerl.histopipe.timeline import Timeline
 from rhymerl.history import HistoryStore
 from rhymerl.report import write_report
-from rhymerl.rl.loop import TrainingRun
+from rhymerl.rl.step_metrics import rollout_metrics
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
 from rhymerl.rollout.timeline import (TIMELINE_FILE, append_timeline, call_interval, read_timeline, timeline_metrics,
                                       timeline_row, to_timeline)
@@ -99,7 +99,7 @@ def test_a_local_pool_call_reports_every_request_once_with_plausible_times():
     reqs = sorted(row["requests"], key=lambda r: r["start"])
     assert max(_lanes([(r["start"], r["end"]) for r in reqs])) + 1 <= slots
     assert reqs[slots]["start"] >= min(r["end"] for r in reqs[:slots]) - 1e-3
-    m = TrainingRun._rollout_metrics("rollout", result)
+    m = rollout_metrics("rollout", result)
     assert 0 <= m["rollout/bubble_ratio"] < 1 and m["rollout/worker0/requests"] == 8
     assert m["rollout/worker0/busy_s"] <= row["span_s"]
     assert m["perf/throughput"] == pytest.approx(sum(len(o.token_ids) for o in result.outputs) / row["span_s"],

@@ -340,5 +340,8 @@ _ALL_KEYS = [f"{s}.{name}" for s, types in _TYPES.items() for name in types]
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError listing every invalid value (one line each, naming its key); None if valid."""
     errors = [line for f in fields(cfg) for line in getattr(cfg, f.name).validate()]
+    if cfg.train.filter_groups and cfg.rollout.mode != "sync":  # the only rule across two sections
+        errors.append("train.filter_groups: needs rollout.mode=sync, got rollout.mode=one_step_off (dynamic "
+                      "sampling draws further prompts on the weights being trained; set one of the two)")
     if errors:
         raise ConfigError("\n".join(errors))

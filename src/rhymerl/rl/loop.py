@@ -12,14 +12,17 @@ uninterrupted run would have done, and HistoSpec on or off gives the same rollou
 a driver thread starts step t+1's rollout on the workers, on the weights step t trains from, while the driver
 scores and trains step t; the driver joins it before loading the weights of version t+1, so a weight load
 never races a rollout. Step t+1's tokens are still a function of (seed, request ids, weights version t).
-The first step, and the step after each checkpoint, roll out synchronously (see `_rolls_ahead`).
+The first step, and the step after each checkpoint, roll out synchronously (`rl/background_rollout.py`).
+
+`train.filter_groups` (DAPO's dynamic sampling, `rl/filtering.py`): a step rolls out further batches of
+prompts until it holds prompts_per_step groups whose rewards are not all equal; the data position then runs
+ahead of the step and is checkpointed. It needs rollout.mode=sync.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,7 +32,6 @@ from transformers import AutoTokenizer
 
 from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.cost_model import CostModel
-from rhymerl.histopipe.predict import LengthPredictor, rank_report
 from rhymerl.histopipe.trace import TraceWriter
 from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.metrics import MetricsLogger, read_metrics
@@ -42,12 +44,15 @@ from rhymerl.rl.checkpoint import (CheckpointError, check_checkpoint, latest_che
                                   read_spec_state, save_checkpoint, set_rng_state)
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
-from rhymerl.rl.rewards import RewardFunctionError, RewardScorer, load_reward_function
+from rhymerl.rl.background_rollout import BackgroundRollout
+from rhymerl.rl.filtering import GroupFilter
+from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
+from rhymerl.rl.step_metrics import batch_metrics, length_report, merged, rollout_metrics
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams, WorkerConfig
 from rhymerl.rollout.factory import make_pool
-from rhymerl.rollout.timeline import append_timeline, timeline_metrics
+from rhymerl.rollout.timeline import append_timeline
 
 
 def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
@@ -111,7 +116,8 @@ class TrainingRun:
         worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
                               speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
                               draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts,
-                              admission=cfg.rollout.admission_order)
+                              admission=cfg.rollout.admission_order,
+                              reward_aware_drafting=cfg.rollout.reward_aware_drafting)
         # HistoSpec's learned state (checkpointed): a resumed worker reuses the saved cost model rather than
         # measuring a new one, and then takes the calibration, correction ratios and idle counters too.
         spec_states = read_spec_state(ckpt) if ckpt is not None else None
@@ -138,11 +144,10 @@ class TrainingRun:
                                      self.ref_model, dtype=self.dtypes["train"],
                                      tis_imp_ratio_cap=cfg.train.tis_imp_ratio_cap if one_step_off else 0.0)
         # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray)
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if one_step_off else None
-        self._ahead: tuple[int, Future] | None = None  # (step, its rollout) started in the background
-        fn = load_reward_function(cfg.reward.function) if cfg.reward.function else None
-        self.scorer = RewardScorer(cfg.reward.format_weight, fn)
+        self.ahead = BackgroundRollout(one_step_off, cfg.train.total_steps, cfg.run.save_every)
+        self.scorer = RewardScorer.from_config(cfg.reward, cfg.rollout.max_completion_length)
         self.reward_errors = 0
+        self.data_pos = 0  # batches of prompts drawn so far: the step, unless dynamic sampling drew more
 
         if ckpt is not None:
             state, trainer_state, history_state = load_checkpoint(ckpt)
@@ -163,6 +168,7 @@ class TrainingRun:
                                           f"({type(e).__name__}: {str(e)[:200]})") from None
             self.start_step = state["step"]
             self.reward_errors = state.get("reward_errors", 0)
+            self.data_pos = state.get("data_pos", self.start_step)
             self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
             if spec_states:
                 self.pool.load_spec_state(spec_states)
@@ -199,45 +205,11 @@ class TrainingRun:
             raise RuntimeError(f"rollout request {bad[0].request_id} was rejected: {bad[0].error}")
         return result
 
-    @staticmethod
-    def _rollout_metrics(prefix: str, result: RolloutResult) -> dict:
-        s = result.engine_totals()
-        m = {f"{prefix}/tokens_per_s": s.generated_tokens / max(s.busy_s, 1e-9),
-             f"{prefix}/tokens_per_forward": s.tokens_per_seq_forward,
-             f"{prefix}/forward_passes": s.forward_passes,
-             # prompt tokens computed, and those copied from a sequence holding the same prefix
-             f"{prefix}/prefill_tokens": s.prompt_tokens, f"{prefix}/prefill_shared_tokens": s.shared_prompt_tokens,
-             # requests moved between workers (rollout.migration) and their re-prefill's share of forward time
-             f"{prefix}/migrations": s.migrations, f"{prefix}/migration_prefill_s": s.migration_prefill_s}
-        sp = result.spec_totals()
-        if sp is not None:
-            m |= {f"{prefix}/spec_accept_rate": sp.accept_rate, f"{prefix}/spec_drafted": sp.drafted,
-                  f"{prefix}/spec_accepted": sp.accepted, f"{prefix}/spec_mean_accepted_len": sp.mean_accepted_len,
-                  f"{prefix}/draft_time_share": sp.draft_s / max(s.busy_s, 1e-9)}
-            m |= {f"{prefix}/spec_accepted_{src}": v for src, v in sp.accepted_by_source.items()}
-        return m | timeline_metrics(result, prefix)  # bubble ratio, finish gap, per worker, perf/throughput
-
-    def _length_report(self, prompts: list[Prompt], group_lengths: list[list[int]]) -> dict:
-        """HistoPipe's premise, "lengths rhyme", checked every step: the rank correlation between the mean
-        length of each prompt's previous group (for this step's prompts that have one) and of its group now,
-        and the share of prompts whose rank moved far. The previous rollout alone: in the default job the
-        first epochs' responses hit the length cap, and a statistic over older rollouts tied every prompt."""
-        seen = [i for i, p in enumerate(prompts) if p.ids in self.history]
-        if len(seen) < 2:
-            return {}
-        predictor = LengthPredictor.from_history(self.history, [prompts[i].ids for i in seen], statistic="mean",
-                                                 max_rollouts=1)
-        predicted = predictor.predict_many([prompts[i].ids for i in seen])
-        report = rank_report(predicted, [sum(group_lengths[i]) / len(group_lengths[i]) for i in seen])
-        out = {"histopipe/prompts_with_history": len(seen), "histopipe/moved_far": report["moved_far"]}
-        if report["rank_corr"] == report["rank_corr"]:  # NaN when every length ties
-            out["histopipe/rank_corr"] = report["rank_corr"]
-        return out
-
-    def _step_prompts(self, step: int) -> list[Prompt]:
-        """The prompts of step `step` (0-based): known in advance, a permutation keyed by (seed, epoch)."""
+    def _prompts_at(self, pos: int) -> list[Prompt]:
+        """The prompts at data position `pos` (one batch of prompts_per_step): known in advance, a
+        permutation keyed by (seed, epoch). Without dynamic sampling the position is the step."""
         cfg = self.cfg
-        rows = batch_indices(step, len(self.train_prompts), cfg.train.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+        rows = batch_indices(pos, len(self.train_prompts), cfg.train.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         return [self.train_prompts[i] for i in rows]
 
     def _train_params(self) -> SamplingParams:
@@ -245,115 +217,109 @@ class TrainingRun:
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_tokens=r.max_completion_length, seed=self.cfg.run.seed)
 
-    def _train_rollout(self, step: int) -> RolloutResult:
-        """Step `step`'s rollout (0-based) on the weights the pool holds now."""
-        return self._rollout(self._step_prompts(step), self.cfg.rollout.num_generations, self._train_params(),
-                             f"train-s{step}", step=step + 1)
-
-    # ---- one_step_off: the next step's rollout in the background ------------------------------------
-    def _rolls_ahead(self, step: int) -> bool:
-        """Whether step `step`'s rollout starts in the background while step - 1 trains (one_step_off): not
-        past the last step, and not for the step right after a checkpoint. A checkpoint holds its own step's
-        weights only, so a run resumed there could not roll that step out on the weights one step older; that
-        step rolls out synchronously in the uninterrupted run too, and resume stays exact."""
-        cfg = self.cfg
-        return (self._background is not None and step < cfg.train.total_steps
-                and not (cfg.run.save_every > 0 and step % cfg.run.save_every == 0))
-
-    def _start_ahead(self, step: int) -> None:
-        """Start step `step`'s rollout in the background if it rolls ahead (after the history recorded the
-        step before: its slices then hold what a synchronous rollout's would)."""
-        if self._rolls_ahead(step):
-            self._ahead = (step, self._background.submit(self._train_rollout, step))
-
-    def _join_ahead(self) -> float:
-        """Wait for the background rollout, if any (its error, if it failed, raises here); the seconds waited."""
-        t0 = time.perf_counter()
-        if self._ahead is not None:
-            self._ahead[1].result()
-        return time.perf_counter() - t0
-
-    def _take_ahead(self, step: int) -> RolloutResult | None:
-        """Step `step`'s rollout if it ran in the background (then joined), else None."""
-        if self._ahead is None:
-            return None
-        ahead, future = self._ahead
-        if ahead != step:
-            raise RuntimeError(f"the background rollout is step {ahead}'s, but step {step} runs: one_step_off rolls "
-                               f"out only the step after the one training")
-        self._ahead = None
-        return future.result()
-
-    def train_step(self, step: int) -> dict:
-        """Run step `step` (0-based) and return its metrics. In one_step_off its rollout ran in the background
-        during the previous step's update (or runs now: the first step, the one after a checkpoint), and the
-        next step's starts once this one's history is recorded."""
-        cfg, r = self.cfg, self.cfg.rollout
-        t0 = time.perf_counter()
-        prompts = self._step_prompts(step)
-        G = r.num_generations
-        params = self._train_params()
-        result = self._take_ahead(step)
-        if result is None:  # sync mode, or a step that does not roll ahead
-            result = self._train_rollout(step)
+    def _draw(self, step: int, k: int) -> tuple[list[Prompt], RolloutResult, RewardBatch]:
+        """Step `step`'s k-th rollout (k > 0 only with dynamic sampling) of the next batch of prompts, scored.
+        Its request ids are train-s{step} (k = 0) or train-s{step}-d{k}. The first may have run in the
+        background (one_step_off)."""
+        prompts = self._prompts_at(self.data_pos)
+        self.data_pos += 1
+        G = self.cfg.rollout.num_generations
+        result = self.ahead.take(step) if k == 0 else None
+        if result is None:  # sync mode, a step that does not roll ahead, or a further draw
+            result = self._rollout(prompts, G, self._train_params(), f"train-s{step}" + (f"-d{k}" if k else ""),
+                                   step=step + 1)
         outs = result.outputs
-        t1 = time.perf_counter()
-        examples = [p.example for p in prompts for _ in range(G)]
-        scored = self.scorer.score([o.text for o in outs], examples)
+        t0 = time.perf_counter()
+        scored = self.scorer.score([o.text for o in outs], [p.example for p in prompts for _ in range(G)],
+                                   lengths=[len(o.token_ids) for o in outs])
         if scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
             raise RewardFunctionError(f"step {step + 1}: the reward failed on every completion ({len(outs)}); "
                                       f"the first: {scored.error_messages[0]}")
         self.reward_errors += scored.errors
         for msg in scored.error_messages[:3]:
             tqdm.write(f"[reward] step {step}: {msg}", file=sys.stderr)
-        rewards = torch.tensor(scored.rewards, dtype=torch.float32)  # [P*G]
-        adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
-        group_lengths = [[len(o.token_ids) for o in outs[i * G : (i + 1) * G]] for i in range(len(prompts))]
-        length_report = self._length_report(prompts, group_lengths)  # before the history learns this step
-        self.trace.write(step + 1, [(prompt_key(p.ids), ls) for p, ls in zip(prompts, group_lengths)])
+        self.reward_s += time.perf_counter() - t0
+        return prompts, result, scored
+
+    def train_step(self, step: int) -> dict:
+        """Run step `step` (0-based) and return its metrics: rollout (with `train.filter_groups`, more
+        rollouts until prompts_per_step groups with unequal rewards are kept, DAPO's dynamic sampling),
+        rewards, advantages, update, weight sync. In one_step_off the rollout ran in the background during the
+        previous step's update (or runs now: the first step, the one after a checkpoint), and the next step's
+        starts once this one's history is recorded."""
+        cfg, G = self.cfg, self.cfg.rollout.num_generations
+        t0, self.reward_s = time.perf_counter(), 0.0  # reward_s: scoring time, summed by _draw
+        kept = GroupFilter(cfg.train.prompts_per_step, G, cfg.train.max_num_gen_batches)
+        results, length_report, traced, errors, timeouts = [], {}, [], 0, 0
+        while True:
+            prompts, result, scored = self._draw(step, len(results))
+            results.append(result)
+            errors, timeouts = errors + scored.errors, timeouts + scored.timeouts
+            groups = [(p, result.outputs[i * G:(i + 1) * G], scored.rewards[i * G:(i + 1) * G],
+                       scored.correct[i * G:(i + 1) * G], scored.formatted[i * G:(i + 1) * G])
+                      for i, p in enumerate(prompts)]
+            lengths = [[len(o.token_ids) for o in outs] for _, outs, *_ in groups]
+            if not length_report:  # before the history learns this step
+                length_report = self._length_report([p.ids for p in prompts], lengths)
+            traced += [(prompt_key(p.ids), ls) for p, ls in zip(prompts, lengths)]
+            for p, outs, rewards, *_ in groups:  # the history store drafts next epoch's rollouts of these prompts
+                self.pool.record(p.ids, [o.token_ids for o in outs], rewards)
+            if not cfg.train.filter_groups:
+                kept.kept = groups
+                break
+            kept.add(groups, scored.rewards)
+            if not kept.wants_more():
+                break
+        # dynamic sampling found no group with unequal rewards: the last draw's (zero advantages, no change)
+        train_groups = kept.kept or groups
+        result = merged(results)
+        self.trace.write(step + 1, traced)
         append_timeline(self.run_dir, step + 1, result)  # RUN_DIR/timeline.jsonl (resumed runs: see its doc)
-        for i, p in enumerate(prompts):  # the history store drafts next epoch's rollouts of these prompts
-            group = outs[i * G : (i + 1) * G]
-            self.pool.record(p.ids, [o.token_ids for o in group], scored.rewards[i * G : (i + 1) * G])
-        self._start_ahead(step + 1)  # one_step_off: on the weights this step trains from, during its update
-        t2 = time.perf_counter()
-        samples = [Sample(prompts[k // G].ids, o.token_ids, o.logprobs, a, temperature=params.temperature)
-                   for k, (o, a) in enumerate(zip(outs, adv.tolist()))]
+        # one_step_off (dynamic sampling is off there): on the weights this step trains from, during its update
+        self.ahead.start(step + 1, lambda: self._rollout(self._prompts_at(self.data_pos), G, self._train_params(),
+                                                         f"train-s{step + 1}", step=step + 2))
+        t1 = time.perf_counter()
+        rewards = torch.tensor([x for g in train_groups for x in g[2]], dtype=torch.float32)  # [P*G]
+        adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
+        temperature = cfg.rollout.temperature
+        samples = [Sample(p.ids, o.token_ids, o.logprobs, a, temperature=temperature)
+                   for (p, outs, *_), a_group in zip(train_groups, adv.view(-1, G).tolist())
+                   for o, a in zip(outs, a_group)]
         with deterministic_algorithms():
             metrics = self.trainer.update(samples)
         release_freed_memory()  # the backward pass's peak need not stay resident through the next rollout
+        t2 = time.perf_counter()
+        waited = self.ahead.join()  # before the weights change: a weight load never races a rollout
         t3 = time.perf_counter()
-        waited = self._join_ahead()  # before the weights change: a weight load never races a rollout
-        t4 = time.perf_counter()
         self.pool.load_weights(merged_parameters(self.model), version=step + 1)
-        t5 = time.perf_counter()
+        t4 = time.perf_counter()
 
-        lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
+        outs = [o for _, g, *_ in train_groups for o in g]
+        metrics |= batch_metrics(rewards, [c for g in train_groups for c in g[3]],
+                                 [f for g in train_groups for f in g[4]], adv, [len(o.token_ids) for o in outs],
+                                 [o.finish_reason == "length" for o in outs], [len(g[0].ids) for g in train_groups])
         metrics |= {
-            "critic/rewards/mean": rewards.mean().item(), "critic/rewards/max": rewards.max().item(),
-            "critic/rewards/min": rewards.min().item(),
-            "critic/score/mean": sum(scored.correct) / len(outs),
-            "critic/format/mean": sum(scored.formatted) / len(outs),
-            "critic/advantages/max": adv.max().item(), "critic/advantages/min": adv.min().item(),
             "critic/zero_std_frac": adv_stats["zero_std_frac"],
-            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/clip_ratio": sum(o.finish_reason == "length" for o in outs) / len(outs),
-            "prompt_length/mean": sum(len(p.ids) for p in prompts) / len(prompts),
-            "reward/errors": scored.errors, "reward/errors_total": self.reward_errors,
-            "epoch": (step * cfg.train.prompts_per_step) // len(self.train_prompts),
+            "reward/errors": errors, "reward/errors_total": self.reward_errors, "reward/timeouts": timeouts,
+            "epoch": ((self.data_pos - 1) * cfg.train.prompts_per_step) // len(self.train_prompts),
             "history/tokens": self.history.size().get("tokens", 0),
             # 0 in sync mode; 1 in one_step_off for a step rolled out on the weights before the last update
-            "rollout/staleness": step - result.weights_version,
+            "rollout/staleness": step - results[0].weights_version,
             # the driver's time in each phase, adding up to the step: a rollout run in the background during the
             # previous step counts only as that step's rollout_wait (one_step_off), not as this one's rollout
-            "timing_s/rollout": t1 - t0, "timing_s/reward": t2 - t1, "timing_s/update": t3 - t2,
-            "timing_s/sync": t5 - t4,
+            "timing_s/rollout": t1 - t0 - self.reward_s, "timing_s/reward": self.reward_s,
+            "timing_s/update": t2 - t1, "timing_s/sync": t4 - t3,
         }
-        if self._background is not None:  # how long the driver waited for the next step's rollout
+        if cfg.train.filter_groups:
+            metrics |= kept.metrics()
+        if self.ahead.enabled:  # how long the driver waited for the next step's rollout
             metrics["timing_s/rollout_wait"] = waited
-        metrics |= self._rollout_metrics("rollout", result) | length_report
+        metrics |= scored.metrics() | rollout_metrics("rollout", result) | length_report
+        metrics["reward/timeouts"] = timeouts  # over every draw of the step (scored.metrics has the last one's)
         return metrics
+
+    def _length_report(self, prompt_ids: list[list[int]], group_lengths: list[list[int]]) -> dict:
+        return length_report(self.history, prompt_ids, group_lengths)
 
     def validate(self, step: int) -> dict:
         """Held-out prompts, one response each at `val.temperature` (greedy by default), HistoSpec as in rollout."""
@@ -370,7 +336,7 @@ class TrainingRun:
         m = {"val/accuracy": sum(scored.correct) / len(outs), "val/reward/mean": sum(scored.rewards) / len(outs),
              "val/response_length/mean": sum(len(o.token_ids) for o in outs) / len(outs),
              "val/reward_errors": scored.errors}
-        m |= self._rollout_metrics("val", result)
+        m |= scored.metrics("val") | rollout_metrics("val", result)
         m["timing_s/val"] = time.perf_counter() - t0
         return m
 
@@ -382,7 +348,7 @@ class TrainingRun:
         return save_checkpoint(
             self.run_dir, step, hf_weights=to_hf_state_dict(self.model, merged_parameters(self.model)),
             model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
-            state={"reward_errors": self.reward_errors, "config": config_to_dict(self.cfg), "dtypes": self.dtypes,
+            state={"reward_errors": self.reward_errors, "data_pos": self.data_pos, "config": config_to_dict(self.cfg), "dtypes": self.dtypes,
                    "metrics": {k: v if isinstance(v, str) else float(v) for k, v in (metrics or {}).items()}},
             keep=self.cfg.run.keep_checkpoints, spec_state=self.pool.spec_state())
 
@@ -412,8 +378,8 @@ class TrainingRun:
                                 tok_s=f"{m['rollout/tokens_per_s']:.0f}",
                                 accept=f"{m.get('rollout/spec_accept_rate', 0):.2f}")
         finally:
-            if self._background is not None:  # a failed step may leave the next one's rollout running
-                self._background.shutdown(wait=True)
+            self.ahead.close()  # a failed step may leave the next one's rollout running
+            self.scorer.close()
             bar.close()
             self.logger.close()
         return self.run_dir
