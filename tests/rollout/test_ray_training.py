@@ -55,6 +55,14 @@ def learned(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(t in k for t in _MAY_DIFFER)} for r in rows]
 
 
+# Wall-time figures: the only ones a resume with the same workers may change.
+_TIMED = ("timing_s/", "tokens_per_s", "draft_time_share", "bubble_ratio", "finish_gap", "perf/throughput", "/busy_s")
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in _TIMED)} for r in rows]
+
+
 def worker_totals(rows: list[dict]) -> list[dict]:
     """Each step's requests and tokens added up over its workers' timelines: the same however split."""
     out = []
@@ -210,9 +218,10 @@ class Faults:
 
 
 def test_a_worker_killed_every_other_step_changes_nothing(cluster, tiny_dir, tmp_path, ray_run):
-    """Worker 1's actor process is SIGKILLed in the middle of the rollouts of steps 1 and 3: each time it is
-    restarted and its groups run again, every response comes back exactly once, and the run's metrics are the
-    undisturbed run's (keyed randomness: the same tokens wherever and however often a request runs)."""
+    """Worker 1's actor process is SIGKILLed in the middle of the rollouts of steps 1 and 3 (0-based, as
+    `train_step` counts them; logged as steps 2 and 4): each time it is restarted and its groups run again,
+    every response comes back exactly once, and the run's metrics are the undisturbed run's (keyed
+    randomness: the same tokens wherever and however often a request runs)."""
     run = TrainingRun(load_config(None, overrides(tiny_dir, tmp_path, *ray_args(2, "rollout.max_worker_restarts=5"))),
                       cost_model=FLAT)
     faults = Faults(run, kill_at={1, 3}, victim=1)
@@ -236,11 +245,13 @@ def half_run(ray_run: Path, to: Path) -> Path:
 
 @pytest.mark.parametrize("workers", [2, 1])
 def test_a_resume_with_two_or_one_workers_repeats_the_run(cluster, ray_run, tmp_path, workers):
-    """Stopped after step 2 and resumed with 2 workers, or with 1 (another split of the same groups), the run
-    repeats the uninterrupted one. With 1 worker, HistoSpec's figures may differ: the single worker takes the
-    first saved worker's calibration and drafts for both shares with it, so it drafts other trees; the tokens
-    do not differ, since fp32 verification is lossless and every draw is keyed by (seed, request id,
-    position), not by the worker or the batch."""
+    """Stopped after step 2 and resumed with 2 workers, the run repeats the uninterrupted one in every figure
+    but wall time: each worker gets back its HistoSpec state (histospec.json, in worker order) and its history
+    replica refills from the slices it is sent, so it drafts the same trees. Resumed with 1 worker (another
+    split of the same groups) its learned metrics are the same too; its forward passes and shared prefills
+    differ (one engine runs both groups side by side) and its drafts may (the single worker drafts for both
+    shares with the first saved worker's calibration). The tokens do not differ: fp32 verification is
+    lossless and every draw is keyed by (seed, request id, position), not by the worker or the batch."""
     half = half_run(ray_run, tmp_path / "half")
     run = TrainingRun.resume(half, [f"rollout.num_workers={workers}"], cost_model=FLAT)
     assert run.start_step == 2 and len(run.pool.workers) == workers
@@ -250,6 +261,9 @@ def test_a_resume_with_two_or_one_workers_repeats_the_run(cluster, ray_run, tmp_
     assert rows[:3] == full[:3]  # the rows up to the checkpoint are the first run's, not rewritten
     assert learned(rows) == learned(full)
     assert worker_totals(rows) == worker_totals(full)
+    if workers == 2:
+        assert untimed(rows) == untimed(full)
+        assert sum(r.get("rollout/spec_drafted", 0) for r in rows[3:]) > 0  # drafts to compare
 
 
 def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, local_rows, tiny_dir, tmp_path, capfd):
