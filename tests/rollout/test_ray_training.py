@@ -6,6 +6,7 @@ run whose last worker is dropped failing cleanly with its checkpoint intact."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -42,17 +43,19 @@ def vowels(completion, ground_truth, data_source, prompt):
 #   by side in one engine, i.e. on the split;
 # - logprob_diff: the rollout's log-probs of a token round differently when it was verified in a draft tree
 #   (the trainer recomputes its own, so the losses do not move; only this difference does);
-# - the per-worker timeline (rollout/worker<i>/..., bubble_ratio, finish_gap_s, perf/throughput): one worker
+# - the per-worker timeline (rollout/worker<i>/..., val/worker<i>/..., bubble_ratio, finish_gap_s,
+#   perf/throughput): one worker
 #   or two, a share run twice after a kill, and wall time; their totals over workers are compared instead.
 # Everything else must be equal bit for bit: rewards, lengths, advantages, losses, grad norms, entropy,
 # history size, HistoPipe's length reports.
 _MAY_DIFFER = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes",
-               "prefill_", "logprob_diff", "rollout/worker", "bubble_ratio", "finish_gap",
-               "perf/throughput")
+               "prefill_", "logprob_diff", "bubble_ratio", "finish_gap", "perf/throughput")
+PER_WORKER = re.compile(r"/worker\d+/")
 
 
 def learned(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not any(t in k for t in _MAY_DIFFER)} for r in rows]
+    return [{k: v for k, v in r.items() if not any(t in k for t in _MAY_DIFFER) and not PER_WORKER.search(k)}
+            for r in rows]
 
 
 # Wall-time figures: the only ones a resume with the same workers may change.
@@ -64,13 +67,15 @@ def untimed(rows: list[dict]) -> list[dict]:
 
 
 def worker_totals(rows: list[dict]) -> list[dict]:
-    """Each step's requests and tokens added up over its workers' timelines: the same however split."""
+    """Each step's requests and tokens, of its rollout and its validation, added up over the workers'
+    timelines: the same however the groups were split."""
     out = []
     for r in rows:
         total = {}
         for k, v in r.items():
-            if k.startswith("rollout/worker") and k.endswith(("/requests", "/tokens")):
-                total[k.rsplit("/", 1)[1]] = total.get(k.rsplit("/", 1)[1], 0) + v
+            if PER_WORKER.search(k) and k.endswith(("/requests", "/tokens")):
+                key = PER_WORKER.sub("/", k)  # rollout/tokens, val/requests, ...
+                total[key] = total.get(key, 0) + v
         out.append(total)
     return out
 
@@ -111,8 +116,9 @@ def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
 def overrides(tiny_dir: Path, out: Path, *extra: str) -> list[str]:
     return [f"model.name={tiny_dir}", f"run.output_dir={out}", "data.num_train_prompts=4", "data.num_val_prompts=2",
             "train.prompts_per_step=2", "rollout.num_generations=3", "rollout.max_completion_length=24",
+            "val.max_completion_length=24",
             "rollout.num_slots=6", "train.micro_batch_size=6", "train.learning_rate=0.01", "train.dtype=fp32",
-            "rollout.dtype=fp32", "rollout.speculative=histospec", f"train.total_steps={STEPS}", "val.every=0",
+            "rollout.dtype=fp32", "rollout.speculative=histospec", f"train.total_steps={STEPS}", "val.every=2",
             "run.save_every=2", "run.progress=false", "run.tensorboard=false",
             f"reward.function={tiny_dir / 'reward_fns.py'}:vowels", *extra]
 
@@ -149,18 +155,10 @@ def test_two_ray_workers_train_as_the_local_backend(local_rows, ray_run):
     rows = read_metrics(ray_run)
     assert [r["step"] for r in rows] == [r["step"] for r in local_rows] == list(range(STEPS + 1))
     assert learned(rows) == learned(local_rows)
-    assert any(r.get("actor/trained_seqs", 0) > 0 for r in rows)  # it trains, not just rolls out
-    assert sum(r.get("rollout/spec_drafted", 0) for r in rows if r["step"] > 2) > 0  # epoch 2 drafts
-
-
-
-def test_two_ray_workers_train_as_the_local_backend(local_rows, ray_run):
-    rows = read_metrics(ray_run)
-    assert [r["step"] for r in rows] == [r["step"] for r in local_rows] == list(range(STEPS + 1))
-    assert learned(rows) == learned(local_rows)
     assert worker_totals(rows) == worker_totals(local_rows)
     assert any(r.get("actor/trained_seqs", 0) > 0 for r in rows)  # it trains, not just rolls out
     assert sum(r.get("rollout/spec_drafted", 0) for r in rows if r["step"] > 2) > 0  # epoch 2 drafts
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 2, 4]  # validation too
     assert all(r["rollout/worker1/requests"] == 3 for r in rows[1:])  # both workers took a group each step
 
 
@@ -181,14 +179,16 @@ def alive(pid: int) -> bool:
 
 
 class Faults:
-    """Wraps a run's `pool.rollout` (every call is a training step: val.every=0): during the steps in `kill_at`
-    (0-based), a helper thread SIGKILLs worker `victim`'s actor process once the call is under way and the
-    process has started working (its CPU time grows). Records, per call, the request ids asked for and
-    returned, the restarts of the victim inside the call, and the pids killed."""
+    """Wraps a run's `pool.rollout`: during the rollouts of the training steps in `kill_at` (0-based, as
+    `train_step` counts them: request ids "train-s{step}-..."), a helper thread SIGKILLs worker `victim`'s
+    actor process once the call is under way and the process has started working (its CPU time grows).
+    Records, per call (by its request ids' tag, "train-s1", "val-s2"), the request ids asked for and returned
+    and the victim's restarts inside the call; and the pids killed."""
 
     def __init__(self, run: TrainingRun, kill_at: set[int], victim: int):
-        self.pool, self.kill_at, self.victim = run.pool, kill_at, victim
-        self.asked, self.returned, self.restarts, self.killed = [], [], [], []
+        self.pool, self.victim = run.pool, victim
+        self.kill_at = {f"train-s{step}" for step in kill_at}
+        self.asked, self.returned, self.restarts, self.killed = {}, {}, {}, []
         self._rollout = run.pool.rollout
         run.pool.rollout = self.rollout  # the instance attribute shadows the method
 
@@ -200,9 +200,9 @@ class Faults:
         self.killed.append(pid)
 
     def rollout(self, groups, params, *args, **kwargs):
-        step = len(self.asked)
+        tag = groups[0].request_ids[0].rsplit("-p", 1)[0]
         killer = None
-        if step in self.kill_at:
+        if tag in self.kill_at:
             killer = threading.Thread(target=self._kill_when_busy, args=(self.pool.pids[self.victim],))
             killer.start()
         before = self.pool.restarts[self.victim]
@@ -211,9 +211,9 @@ class Faults:
         finally:
             if killer is not None:
                 killer.join()
-            self.restarts.append(self.pool.restarts[self.victim] - before)
-            self.asked.append([rid for g in groups for rid in g.request_ids])
-        self.returned.append([o.request_id for o in result.outputs])
+            self.restarts[tag] = self.pool.restarts[self.victim] - before
+            self.asked[tag] = [rid for g in groups for rid in g.request_ids]
+        self.returned[tag] = [o.request_id for o in result.outputs]
         return result
 
 
@@ -227,10 +227,12 @@ def test_a_worker_killed_every_other_step_changes_nothing(cluster, tiny_dir, tmp
     faults = Faults(run, kill_at={1, 3}, victim=1)
     rows = train(run)
     assert len(faults.killed) == 2 and not any(map(alive, faults.killed))  # the kills happened
-    assert faults.restarts == [0, 1, 0, 1], "a kill did not land inside its step's rollout call"
+    assert {tag: n for tag, n in faults.restarts.items() if n} == {"train-s1": 1, "train-s3": 1}, \
+        "a kill did not land inside its step's rollout call"
+    assert len(faults.restarts) == STEPS + 3  # every call seen: 4 steps, 3 validations
     assert run.pool.restarts == [0, 2]
-    for asked, returned in zip(faults.asked, faults.returned):  # each response exactly once, in order
-        assert returned == asked and len(set(returned)) == len(returned)
+    assert faults.returned == faults.asked  # each response exactly once, in order
+    assert all(len(set(ids)) == len(ids) for ids in faults.returned.values())
     assert learned(rows) == learned(read_metrics(ray_run))
     assert worker_totals(rows) == worker_totals(read_metrics(ray_run))
 
@@ -276,7 +278,7 @@ def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, loca
     run = TrainingRun.resume(half, ["rollout.num_workers=1", "rollout.max_worker_restarts=1", f"model.name={model}"],
                              cost_model=FLAT)
     shutil.rmtree(model)  # a restarted worker cannot build its model any more
-    faults = Faults(run, kill_at={0}, victim=0)  # the resumed run's first rollout: step 3
+    faults = Faults(run, kill_at={2}, victim=0)  # the resumed run's first rollout (step 3 as logged)
     with pytest.raises(RuntimeError, match=r"failed to restart .*rollout.max_worker_restarts.*no rollout worker is "
                                            r"left") as err:
         train(run)
