@@ -188,7 +188,7 @@ def cmd_bench_pipe(args) -> int:
     summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device,
                              [int(w) for w in args.workers.split(",")], args.slots, args.real, args.repeats,
                              args.real_prompts, args.num_generations, args.real_slots, args.max_tokens,
-                             args.temperature, args.seed)
+                             args.temperature, args.seed, args.ray_workers)
     pipe_bench.print_table(summary)
     print(json.dumps(summary))
     return 0
@@ -317,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "responses first; with --history-from, whose history carries the run's rewards")
     bs.add_argument("--device", default=None, help=DEVICE_HELP)
     bs.set_defaults(func=cmd_bench_spec)
-    bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, and one real worker's "
-                                      "longest-first vs FIFO admission", formatter_class=_DefaultsHelp)
+    bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, then real runs: one "
+                                      "worker's longest-first vs FIFO admission, and Ray workers under every "
+                                      "rollout.schedule (histopipe with migration too)", formatter_class=_DefaultsHelp)
     bp.add_argument("--trace", default=None, metavar="PATH",
                     help="a run directory or its lengths.jsonl (default: the trace shipped with the package, "
                          "rhymerl/histopipe/traces/default.jsonl)")
@@ -331,9 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: the cost model's and the real runs'")
     bp.add_argument("--device", default=None, help=DEVICE_HELP)
     bp.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time one real worker, FIFO vs longest-first admission (--no-real: simulation only)")
+                    help="also time real runs: one worker, FIFO vs longest-first admission, then --ray-workers Ray "
+                         "workers under every schedule (--no-real: simulation only)")
     bp.add_argument("--repeats", type=positive_int, default=3,
-                    help="real runs of each admission order, alternating; the median counts")
+                    help="real runs of each admission order and schedule, in rotating order; the median counts")
+    bp.add_argument("--ray-workers", type=int, default=2,
+                    help="Ray workers of the real schedule runs (0: one worker's admission orders only)")
     bp.add_argument("--real-prompts", type=positive_int, default=16,
                     help="built-in arithmetic prompts of the real runs")
     bp.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt in the real runs")
