@@ -44,8 +44,8 @@ def vowels(completion, ground_truth, data_source, prompt):
 # - logprob_diff: the rollout's log-probs of a token round differently when it was verified in a draft tree
 #   (the trainer recomputes its own, so the losses do not move; only this difference does);
 # - the per-worker timeline (rollout/worker<i>/..., val/worker<i>/..., bubble_ratio, finish_gap_s,
-#   perf/throughput): one worker
-#   or two, a share run twice after a kill, and wall time; their totals over workers are compared instead.
+#   perf/throughput): one worker or two, a share run twice after a kill, and wall time; their totals over
+#   workers are compared instead (`worker_totals`).
 # Everything else must be equal bit for bit: rewards, lengths, advantages, losses, grad norms, entropy,
 # history size, HistoPipe's length reports.
 _MAY_DIFFER = ("timing_s/", "tokens_per_s", "draft_time_share", "spec_", "tokens_per_forward", "forward_passes",
@@ -286,7 +286,7 @@ def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, loca
     assert "".join(traceback.format_exception(err.value)).count("Traceback") == 1
     assert len(faults.killed) == 1 and not alive(faults.killed[0])
     assert run.pool.restarts == [1] and run.pool.workers == []
-    assert "worker 0 died (ActorDiedError): restarting it (1/1" in capfd.readouterr().err
+    assert re.search(r"worker 0 died \(\w+\): restarting it \(1/1", capfd.readouterr().err)  # then it failed
     assert latest_checkpoint(half).name == "step_000002"
     assert [r["step"] for r in read_metrics(half)] == [0, 1, 2]  # step 3 left no row
     load_checkpoint(latest_checkpoint(half))  # readable
