@@ -5,8 +5,9 @@ with HistoSpec on, let it propose a draft tree per decoding sequence (possibly n
 every running slot's new tokens and drafts; walk each draft with the policy's keyed draws
 (`rhymerl.histospec.verify`; plain decoding is the walk over an empty draft: one token); append the
 accepted tokens and the bonus token, keep the accepted path's keys/values, retire the sequences that hit
-EOS, a stop string or their length limit (their slots are refilled next step, or the survivors are
-compacted when nothing waits), and hand HistoSpec what was verified.
+EOS, a stop string or their length limit (`rhymerl.engine.stop_rule`; their slots are refilled next step,
+or the survivors are compacted when nothing waits), and hand HistoSpec what was verified. Between two steps
+a request can be handed to another engine (`extract` / `adopt`: `rhymerl.engine.migration`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from tqdm import tqdm
 
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
+from rhymerl.engine import migration
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
-from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence, Status
+from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence
 from rhymerl.engine.stats import EngineStats
+from rhymerl.engine.stop_rule import answer_text, finish_reason
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.histospec.verify import Verified, verify
@@ -133,52 +136,24 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), params)
         seq.group = prompt_key(prompt_ids) if group is None else group
         if continuation is not None:
-            self._resume(seq, continuation)
+            migration.resume(self, seq, continuation)
         self.scheduler.add(seq)
         return request_id
-
-    # ---- migration (2026-11-25): a request handed over at a step boundary ----------------------------
-    def adopt(self, continuation: Continuation) -> int | str:
-        """Queue a request another engine handed over (`extract`): its first step prefills prompt +
-        generated tokens, then it decodes on at output position len(output_ids) with the same keyed draws."""
-        return self.add_request(continuation.prompt_ids, continuation.params, continuation=continuation)
-
-    def _resume(self, seq: Sequence, c: Continuation) -> None:
-        if len(c.logprobs) != len(c.output_ids):
-            raise ValueError(f"request {c.request_id!r}: continuation has {len(c.output_ids)} tokens but "
-                             f"{len(c.logprobs)} logprobs (one per generated token)")
-        if len(c.output_ids) >= c.params.max_tokens or len(c.prompt_ids) + len(c.output_ids) >= self.max_model_len:
-            raise ValueError(f"request {c.request_id!r}: continuation with {len(c.output_ids)} generated tokens "
-                             f"has no room left (max_tokens {c.params.max_tokens}, max_model_len {self.max_model_len})")
-        seq.output_ids, seq.logprobs, seq.resumed = list(c.output_ids), list(c.logprobs), True
-        seq.first_token = time.perf_counter()
-        self.stats.migrations += 1
-        if self.speculator is not None:  # its own and its siblings' indexes learn what it has generated
-            seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
-            self.speculator.observe(seq.spec, seq.output_ids)
 
     def unfinished(self) -> list[Sequence]:
         """The requests not finished yet: waiting ones in queue order, then running ones in slot order."""
         return list(self.scheduler.waiting) + [self.scheduler.running[s] for s in sorted(self.scheduler.running)]
 
+    # ---- migration (2026-11-25, `rhymerl.engine.migration`): a request handed over at a step boundary --
     def extract(self, request_id: int | str) -> Continuation:
         """Take an unfinished request out of this engine between two steps, freeing its slot, as plain data
         another engine can `adopt`. KeyError when no unfinished request has that id."""
-        seq = next((q for q in self.unfinished() if q.request_id == request_id), None)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not unfinished in this engine (extract takes a waiting "
-                           f"or running request)")
-        if seq.status == Status.WAITING:
-            self.scheduler.waiting.remove(seq)
-        else:
-            self.scheduler.finish(seq)
-            for moved, old_slot in self.scheduler.compact():
-                self.runner.move(old_slot, moved.slot, moved.num_cached)
-        seq.status = Status.FINISHED
-        self.stats.handed_over += 1
-        if self.speculator is not None and not self.has_unfinished():
-            self.speculator.groups.clear()  # the batch is over here: its sibling indexes go, as after a step
-        return seq.to_continuation()
+        return migration.extract(self, request_id)
+
+    def adopt(self, continuation: Continuation) -> int | str:
+        """Queue a request another engine handed over (`extract`): its first step prefills prompt +
+        generated tokens, then it decodes on at output position len(output_ids) with the same keyed draws."""
+        return self.add_request(continuation.prompt_ids, continuation.params, continuation=continuation)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -194,32 +169,8 @@ class Engine:
         self.stats.shared_prompt_tokens += shared
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
-        inputs = []
-        for seq, draft, new in zip(seqs, drafts, news):
-            if draft.tokens:  # the last real token is node 0; the draft tree hangs from it
-                parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
-                inputs.append(SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents))
-            else:
-                inputs.append(SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1,
-                                        prefix_from=sources.get(seq.slot)))
-            # a prefill feeds the rest of the prompt, then an adopted request's generated tokens
-            self.stats.prompt_tokens += len(new) - len(seq.output_ids) if seq.num_cached < len(seq.prompt_ids) else 0
-            self.stats.tokens_forwarded += len(inputs[-1].tokens)
-        resumed = sum(len(new) for seq, new in zip(seqs, news) if seq.resumed)
-        t1 = time.perf_counter()
-        # rows: 1 per plain slot, 1 + len(draft) per drafting slot; in the model's dtype (the sampler widens
-        # the rows it reads: a verification step reads few of them)
-        logits = self.runner.run(inputs, float_logits=False)
-        forward_s = time.perf_counter() - t1
-        self.stats.forward_s += forward_s
-        if resumed:  # re-prefill of adopted requests: their tokens' share of this forward
-            self.stats.migration_prefill_tokens += resumed
-            self.stats.migration_prefill_s += forward_s * resumed / sum(len(x.tokens) for x in inputs)
-            for seq in seqs:
-                seq.resumed = False
-        self.stats.forward_passes += 1
-        for seq in seqs:
-            seq.forwards += 1
+        inputs = [self._input(seq, new, draft, sources.get(seq.slot)) for seq, new, draft in zip(seqs, news, drafts)]
+        logits = self._run(seqs, news, inputs)
         verified = self._verify(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
         events = [self._commit(seq, v) for seq, v in zip(seqs, verified)]
         for seq, old_slot in self.scheduler.compact():
@@ -227,10 +178,35 @@ class Engine:
         if self.speculator is not None:
             self.speculator.commit(seqs, drafts, verified, [ev.new_token_ids for ev in events], started=t0,
                                    batch_done=not self.has_unfinished())
-        elapsed = time.perf_counter() - t0
-        self.stats.busy_s += elapsed
+        self.stats.busy_s += time.perf_counter() - t0
         self.stats.seq_steps += len(seqs)
         return events
+
+    def _input(self, seq: Sequence, new: list[int], draft: Draft, prefix_from: int | None) -> SlotInput:
+        """What `seq`'s slot feeds this step: its uncached tokens `new`, then its draft tree, if any, hung
+        from the last of them (node 0); without a draft, the prefix it may copy from slot `prefix_from`."""
+        if draft.tokens:
+            parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
+            x = SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents)
+        else:
+            x = SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1, prefix_from=prefix_from)
+        # a prefill feeds the rest of the prompt, then an adopted request's generated tokens
+        self.stats.prompt_tokens += len(new) - len(seq.output_ids) if seq.num_cached < len(seq.prompt_ids) else 0
+        self.stats.tokens_forwarded += len(x.tokens)
+        return x
+
+    def _run(self, seqs: list[Sequence], news: list[list[int]], inputs: list[SlotInput]) -> torch.Tensor:
+        """One forward over every running slot. Logits rows: 1 per plain slot, 1 + len(draft) per drafting
+        slot; in the model's dtype (the sampler widens the rows it reads: a verification step reads few)."""
+        t0 = time.perf_counter()
+        logits = self.runner.run(inputs, float_logits=False)
+        forward_s = time.perf_counter() - t0
+        self.stats.forward_s += forward_s
+        migration.count_reprefill(self.stats, seqs, news, inputs, forward_s)  # adopted requests' share
+        self.stats.forward_passes += 1
+        for seq in seqs:
+            seq.forwards += 1
+        return logits
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
         if self.speculator is None:
@@ -291,7 +267,7 @@ class Engine:
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
             appended.append(tok)
-            reason = self._finish_reason(seq)
+            reason = finish_reason(seq, self.eos_token_ids, self.tokenizer, self.max_model_len)
             if reason is not None:
                 break
         self.stats.generated_tokens += len(appended)
@@ -299,30 +275,9 @@ class Engine:
             return StepEvent(seq.request_id, appended, None)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        return StepEvent(seq.request_id, appended, self._output(seq))
-
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and seq.output_ids[-1] in self.eos_token_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            # Only the tail can hold a stop string that was just completed.
-            window = max(len(s) for s in p.stop) + 4
-            tail = self.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
-            if any(s in tail for s in p.stop):
-                return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence) -> RequestOutput:
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            for s in seq.params.stop:
-                if s in text:  # the stop string and what follows are not part of the answer
-                    text = text[: text.index(s)]
-            seq.text = text
-        return seq.to_output()
+            seq.text = answer_text(seq, self.tokenizer)
+        return StepEvent(seq.request_id, appended, seq.to_output())
 
     # ---- batch API ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
