@@ -1,0 +1,254 @@
+"""`rhymerl bench pipe`, part (b): HistoPipe's schedules timed on real workers (`rhymerl.bench.pipe_bench`
+runs them after its simulation, part (a)).
+
+`run_real`: one `RolloutWorker` behind a `LocalPool` on the real model and the built-in arithmetic prompts.
+A first epoch (FIFO, its own seed) is recorded into the history so that predictions exist; then the second
+epoch's groups run with `admission="fifo"` and `"longest_first"`, alternating `repeats` times with the same
+request ids and seed, the median rollout seconds of each reported, and the tokens checked identical (keyed
+randomness: only the timing may change).
+
+`run_ray` (2026-11-25): two Ray workers (`RayPool`) on the same prompts: a first epoch recorded, then every
+schedule of `rollout.schedule` (static, least_loaded, histopipe) and histopipe with migration on the second
+epoch's groups, `repeats` rounds in rotating order, the median makespan (the call's wall time), bubble ratio
+(1 - the workers' busy time / (workers x makespan)) and finish gap of each, tokens checked identical across
+all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from rhymerl.cost_model import CostModel
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr, as the whole bench writes them."""
+    print(f"[bench pipe] {msg}", file=sys.stderr, flush=True)
+
+
+def rounded(x):
+    """Floats to 4 decimals (a non-finite one to None), through dicts: the bench JSON's figures."""
+    if isinstance(x, float):
+        return round(x, 4) if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    return x
+
+
+def arithmetic_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """The built-in arithmetic task's first `n` prompts, chat-encoded (as `rhymerl bench spec`)."""
+    from rhymerl.model.pretrained import chat_prompt_ids
+    from rhymerl.tasks.arithmetic import make_problems, prompt_text
+
+    return [chat_prompt_ids(tokenizer, prompt_text(p)) for p in make_problems(n, seed)]
+
+
+def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_prompts: int = 16,
+             num_generations: int = 4, slots: int = 16, max_tokens: int = 128, temperature: float = 1.0,
+             repeats: int = 3, seed: int = 0, dtype: str = "auto", device: str | None = None,
+             speculative: str = "histospec", cost_model: CostModel | None = None) -> dict:
+    """Part (b): one worker, FIFO vs longest-first admission on the same groups (see the module doc).
+
+    `model`: a built-in name or a model directory. `prompts`: token ids (then no tokenizer is loaded: a
+    tokenizer-less test model); default the arithmetic task's first `num_prompts`. `cost_model`: HistoSpec's,
+    measured by the first worker when None and reused by the second."""
+    import torch
+
+    from rhymerl.engine.sampling_params import SamplingParams
+    from rhymerl.history import HistoryStore
+    from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
+    from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, WorkerConfig
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = device or default_device()
+    dtype = resolve_dtype(dtype, device)
+    if prompts is None:
+        policy, tokenizer, _ = load_pretrained(model, "fp32", device)
+        prompts = arithmetic_prompts(tokenizer, num_prompts, seed)
+    else:
+        from rhymerl.model.fetch import resolve_model_dir
+        from rhymerl.model.weights import load_decoder
+
+        policy, tokenizer = load_decoder(resolve_model_dir(model), torch.float32, device), None
+        prompts = [list(p) for p in prompts]
+    max_len = max(map(len, prompts)) + max_tokens + 1
+    history = HistoryStore()
+    pools = {}
+    for admission in ("fifo", "longest_first"):
+        config = WorkerConfig(num_slots=slots, max_model_len=max_len, dtype=dtype, speculative=speculative,
+                              admission=admission)
+        worker = RolloutWorker(policy, tokenizer, config, cost_model=cost_model)
+        if speculative == "histospec" and cost_model is None:
+            cost_model = worker.engine.cost_model  # measured once; the second worker reuses it
+        pools[admission] = LocalPool(worker, history)
+
+    def groups(tag: str) -> list:
+        return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(num_generations)]) for i, p in enumerate(prompts)]
+
+    # Epoch 1: fills the history, so that longest-first has predictions.
+    first = pools["fifo"].rollout(groups("e1"), SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                               seed=seed + 1000))
+    for i, p in enumerate(prompts):
+        pools["fifo"].record(p, [o.token_ids for o in first.outputs[i * num_generations:(i + 1) * num_generations]])
+    log(f"real: epoch 1 recorded ({len(prompts)} prompts x {num_generations}, "
+         f"{sum(len(o.token_ids) for o in first.outputs)} tokens)")
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + 2000)
+    seconds: dict[str, list[float]] = {"fifo": [], "longest_first": []}
+    tokens: dict[str, list] = {}
+    identical = True
+    for r in range(repeats):
+        for admission in ("fifo", "longest_first") if r % 2 == 0 else ("longest_first", "fifo"):
+            t0 = time.perf_counter()
+            result = pools[admission].rollout(groups("e2"), params)
+            seconds[admission].append(time.perf_counter() - t0)
+            got = [o.token_ids for o in result.outputs]
+            if admission in tokens:
+                identical &= got == tokens[admission]
+            tokens[admission] = got
+            log(f"real: repeat {r + 1}/{repeats} {admission}: {seconds[admission][-1]:.2f} s")
+    identical &= tokens["fifo"] == tokens["longest_first"]
+    if not identical:
+        log("real: WARNING: FIFO and longest-first generated different tokens")
+    out = {mode: {"median_s": round(statistics.median(s), 3), "runs_s": [round(x, 3) for x in s]}
+           for mode, s in seconds.items()}
+    out["speedup"] = round(out["fifo"]["median_s"] / out["longest_first"]["median_s"], 3)
+    out["identical"] = identical
+    out.update({"model": str(model), "dtype": dtype, "device": str(device), "prompts": len(prompts),
+                "num_generations": num_generations, "slots": slots, "max_tokens": max_tokens,
+                "temperature": temperature, "repeats": repeats, "speculative": speculative,
+                "tokens": sum(map(len, tokens["fifo"]))})
+    return out
+
+
+# (name, rollout.schedule, rollout.migration)
+RAY_VARIANTS = (("static", "static", False), ("least_loaded", "least_loaded", False),
+                ("histopipe", "histopipe", False), ("histopipe+migration", "histopipe", True))
+
+
+def call_figures(result, seconds: float) -> dict:
+    """A two-worker call's timing: makespan (its wall seconds), bubble ratio (1 - the workers' busy seconds /
+    (workers x makespan)) and finish gap (first to last worker finish), from the workers' stamps."""
+    busy, ends = {}, {}
+    for w in result.workers:
+        if w.finished > w.started > 0:
+            busy[w.worker] = busy.get(w.worker, 0.0) + w.finished - w.started
+            ends[w.worker] = max(ends.get(w.worker, 0.0), w.finished)
+    workers = max(len(busy), 1)
+    totals = result.engine_totals()
+    return {"makespan_s": seconds, "bubble": max(0.0, 1 - sum(busy.values()) / (workers * seconds)),
+            "finish_gap_s": max(ends.values()) - min(ends.values()) if ends else 0.0,
+            "migrations": totals.migrations, "migration_prefill_s": totals.migration_prefill_s}
+
+
+def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_workers: int = 2,
+            num_prompts: int = 16, num_generations: int = 4, slots: int = 16, max_tokens: int = 128,
+            temperature: float = 1.0, repeats: int = 3, seed: int = 0, dtype: str = "auto",
+            device: str | None = None, speculative: str = "histospec", cost_model: CostModel | None = None,
+            variants: Sequence[tuple[str, str, bool]] = RAY_VARIANTS) -> dict:
+    """Part (b), two Ray workers: every schedule (and histopipe with migration) on the same groups (see the
+    module doc). Arguments as `run_real`'s; a Ray cluster is started for this process unless it is already
+    connected to one."""
+    import torch
+
+    from rhymerl.engine.sampling_params import SamplingParams
+    from rhymerl.history import HistoryStore
+    from rhymerl.model.fetch import resolve_model_dir
+    from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
+    from rhymerl.model.weights import load_decoder
+    from rhymerl.rollout import RolloutGroup, WorkerConfig
+    from rhymerl.rollout.factory import make_pool
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = device or default_device()
+    dtype = resolve_dtype(dtype, device)
+    if prompts is None:
+        policy, tokenizer, model_dir = load_pretrained(model, "fp32", device)
+        prompts = arithmetic_prompts(tokenizer, num_prompts, seed)
+    else:
+        model_dir = resolve_model_dir(model)
+        policy, tokenizer = load_decoder(model_dir, torch.float32, device), None
+        prompts = [list(p) for p in prompts]
+    config = WorkerConfig(num_slots=slots, max_model_len=max(map(len, prompts)) + max_tokens + 1, dtype=dtype,
+                          speculative=speculative)
+    pool = make_pool("ray", num_workers, "", policy, tokenizer, model_dir, config, HistoryStore(), seed=seed,
+                     device=device, cost_model=cost_model)
+    try:
+        def groups(tag: str) -> list:
+            return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(num_generations)])
+                    for i, p in enumerate(prompts)]
+
+        first = pool.rollout(groups("e1"), SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                          seed=seed + 1000))
+        for i, p in enumerate(prompts):  # epoch 1 gives histopipe its predictions
+            pool.record(p, [o.token_ids for o in first.outputs[i * num_generations:(i + 1) * num_generations]])
+        log(f"real, {num_workers} Ray workers: epoch 1 recorded")
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + 2000)
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+        reference, identical = None, True
+        for r in range(repeats):
+            for name, schedule, migration in variants[r % len(variants):] + variants[:r % len(variants)]:
+                pool.schedule, pool.migration = schedule, migration
+                t0 = time.perf_counter()
+                result = pool.rollout(groups("e2"), params)
+                runs[name].append(call_figures(result, time.perf_counter() - t0))
+                got = [o.token_ids for o in result.outputs]
+                reference = got if reference is None else reference
+                identical &= got == reference
+                log(f"real, {num_workers} Ray workers: repeat {r + 1}/{repeats} {name}: "
+                     f"{runs[name][-1]['makespan_s']:.2f} s, {runs[name][-1]['migrations']} migrations")
+    finally:
+        pool.close()
+    if not identical:
+        log("real: WARNING: the schedules generated different tokens")
+    out = {}
+    for name, rs in runs.items():
+        out[name] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
+        out[name]["runs_s"] = [x["makespan_s"] for x in rs]
+    for name in out:
+        out[name]["speedup_vs_static"] = out["static"]["makespan_s"] / out[name]["makespan_s"] \
+            if "static" in out else None
+    out = rounded(out)
+    out.update({"identical": identical, "workers": num_workers, "model": str(model), "dtype": dtype,
+                "device": str(device), "prompts": len(prompts), "num_generations": num_generations, "slots": slots,
+                "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats,
+                "speculative": speculative, "tokens": sum(map(len, reference))})
+    return out
+
+
+def print_real_tables(real: dict | None, console: Console) -> None:
+    """The real runs' tables: the Ray workers' schedules (when run), then one worker's admission orders."""
+    if real and "static" in real:
+        t = Table(title=f"{real['workers']} Ray workers: {real['model']} {real['dtype']}, {real['prompts']} prompts "
+                        f"x {real['num_generations']}, {real['slots']} slots each, max_tokens={real['max_tokens']}, "
+                        f"{real['repeats']} repeats, identical tokens: {real['identical']}")
+        for c in ("schedule", "makespan s", "runs s", "bubble", "finish gap s", "migrations", "re-prefill s",
+                  "vs static"):
+            t.add_column(c, justify="right")
+        for name, _, _ in RAY_VARIANTS:
+            if name in real:
+                r = real[name]
+                t.add_row(name, f"{r['makespan_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs_s"]),
+                          f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}", f"{r['migrations']:g}",
+                          f"{r['migration_prefill_s']:.3f}", f"{r['speedup_vs_static']:.3f}x")
+        console.print(t)
+    real = (real or {}).get("one_worker")
+    if real:
+        t = Table(title=f"One real worker: {real['model']} {real['dtype']}, {real['prompts']} prompts x "
+                        f"{real['num_generations']}, {real['slots']} slots, max_tokens={real['max_tokens']}, "
+                        f"{real['repeats']} repeats")
+        for c in ("admission", "median s", "runs s", "speed-up", "identical tokens"):
+            t.add_column(c, justify="right")
+        t.add_row("fifo", str(real["fifo"]["median_s"]), " ".join(map(str, real["fifo"]["runs_s"])), "1.0x",
+                  str(real["identical"]))
+        t.add_row("longest_first", str(real["longest_first"]["median_s"]),
+                  " ".join(map(str, real["longest_first"]["runs_s"])), f"{real['speedup']}x", str(real["identical"]))
+        console.print(t)
