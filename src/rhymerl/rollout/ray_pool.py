@@ -1,13 +1,12 @@
-"""The Ray rollout pool (`rollout.backend=ray`): one Ray actor per worker, each a `RolloutWorker` in a process
-of its own. The only module of rhymerl that imports ray.
+"""The Ray rollout pool (`rollout.backend=ray`): one Ray actor per worker (`ray_actor.WorkerActor`), each a
+`RolloutWorker` in a process of its own. The Ray backend is two modules, this one (the driver's side) and
+`ray_actor` (the actor's); no other module of rhymerl imports ray.
 
 - **Cluster**: `connect(address)`: '' starts a fresh local cluster (`ray.init(address="local")`, never a
   stray one that happens to run), 'auto' or 'host:port' joins a running one (`ray start --head`). A process
   already connected (a test's cluster) keeps its connection.
-- **Workers**: each actor gets the model directory (the architecture), the `WorkerConfig`, the run's seed and
-  device, its share of the CPU cores as its torch thread count (Ray sets OMP threads to 1, and N workers must
-  not oversubscribe the cores; on CUDA each actor takes one GPU), and the initial weights through the object
-  store. It calls `setup_process` first.
+- **Workers**: each actor gets its share of the cluster's CPUs (`worker_resources`; one GPU each on CUDA)
+  and what it needs to build its worker (see `ray_actor`).
 - **Weights**: `load_weights` puts them in the object store once (cast to the rollout dtype, on the CPU) and
   every worker loads that one object; a worker refuses a rollout on any other version than the one it holds
   (`StaleWeightsError`, raised through Ray).
@@ -37,10 +36,8 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import Sequence
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -53,10 +50,10 @@ from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
-from rhymerl.model.weights import load_decoder
-from rhymerl.process import setup_process
+# The actor moved to ray_actor (2026-11-25); WorkerActor and worker_resources stay importable from here.
+from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
 from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
-from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
+from rhymerl.rollout.worker import WorkerConfig
 
 
 def connect(address: str = "") -> None:
@@ -89,69 +86,11 @@ def static_split(num_groups: int, num_workers: int) -> list[range]:
     return shares
 
 
-def worker_resources(num_workers: int, device: str, cluster_cpus: float) -> tuple[float, int, int]:
-    """(CPUs reserved per actor, GPUs per actor, torch threads per actor): the cluster's CPUs divided among
-    the workers (Ray takes fractions only below 1), one GPU each on CUDA."""
-    share = cluster_cpus / num_workers
-    cpus = float(math.floor(share)) if share >= 1 else share
-    return cpus, int(torch.device(device).type == "cuda"), max(1, math.floor(share))
-
-
-def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors over the arrays `RayPool._put` stored (read-only views of the object store, no copy: the
-    worker copies them into its model)."""
-    with warnings.catch_warnings():  # torch warns that the arrays are not writable: they are only read
-        warnings.simplefilter("ignore", UserWarning)
-        return {name: torch.from_numpy(a).view(dtype) for name, a in weights.items()}
-
-
 def _last_line(error: Exception) -> str:
     """The last line of `error`'s message: for an actor whose constructor raised, Ray's message ends with that
     exception (type and message) after its traceback."""
     lines = str(error).strip().splitlines()
     return lines[-1].strip() if lines else type(error).__name__
-
-
-# `hand_over` runs in a concurrency group of its own, beside a running `rollout` (the default group keeps one
-# thread: a worker's rollouts and weight loads never overlap).
-@ray.remote(concurrency_groups={"handover": 1})
-class WorkerActor:
-    """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
-    architecture with the weights it is sent."""
-
-    def __init__(self, model_dir: str, tokenizer, config: WorkerConfig, worker_id: int, seed: int, device: str,
-                 threads: int, weights: dict[str, np.ndarray], version: int, cost_model: CostModel | None):
-        setup_process(seed, device)
-        torch.set_num_threads(threads)
-        # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
-        self.worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
-                                    cost_model=cost_model)
-        self.worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def threads(self) -> int:
-        return torch.get_num_threads()
-
-    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> int:
-        self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
-        return version
-
-    def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
-                weights_version: int, step: int | None = None,
-                continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
-        return self.worker.rollout(groups, params, history, weights_version, step, continuations)
-
-    @ray.method(concurrency_group="handover")
-    def hand_over(self, n: int | None = None) -> list[Continuation]:
-        return self.worker.hand_over(n)
-
-    def spec_state(self) -> dict | None:
-        return self.worker.spec_state()
-
-    def load_spec_state(self, state: dict | None) -> None:
-        self.worker.load_spec_state(state)
 
 
 class RayPool:
@@ -194,14 +133,8 @@ class RayPool:
         return list(self.actors)
 
     def _put(self, params: dict[str, torch.Tensor]) -> ray.ObjectRef:
-        """The weights in the object store, once, on the CPU in the workers' dtype, as numpy arrays (bf16 as
-        int16): Ray stores numpy arrays without pickling them and a worker reads them in place (`_from_store`),
-        where torch tensors are pickled and copied at both ends."""
-        out = {}
-        for name, p in params.items():
-            t = p.detach().to("cpu", self._dtype).contiguous()
-            out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-        return ray.put(out)
+        """The weights in the object store, once, as the actors read them (`ray_actor.to_store`)."""
+        return ray.put(to_store(params, self._dtype))
 
     def _spawn(self, worker: int):
         model_dir, tokenizer, config, seed, device, threads = self._args

@@ -1,0 +1,101 @@
+"""The Ray actor behind `RayPool` (`rollout.backend=ray`): one `RolloutWorker` in a process of its own. One of
+the Ray backend's two modules (with `ray_pool`, which drives the actors); no other module of rhymerl imports
+ray.
+
+- **Start-up**: an actor gets the model directory (the architecture), the `WorkerConfig`, the run's seed and
+  device, its torch thread count (`worker_resources`: its share of the CPU cores; Ray sets OMP threads to 1,
+  and N workers must not oversubscribe the cores; on CUDA each actor takes one GPU), and the initial weights
+  through the object store. It calls `setup_process` first.
+- **Weights**: the driver puts them in the object store as numpy arrays (`to_store`), once per version, and
+  every actor reads that one object in place (`_from_store`), copying it into its model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import numpy as np
+import ray
+import torch
+
+from rhymerl.cost_model import CostModel
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sequence import Continuation, RequestOutput
+from rhymerl.model.pretrained import parse_dtype
+from rhymerl.model.weights import load_decoder
+from rhymerl.process import setup_process
+from rhymerl.rollout.types import RolloutGroup, WorkerStats
+from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
+
+__all__ = ["WorkerActor", "to_store", "worker_resources"]
+
+
+def worker_resources(num_workers: int, device: str, cluster_cpus: float) -> tuple[float, int, int]:
+    """(CPUs reserved per actor, GPUs per actor, torch threads per actor): the cluster's CPUs divided among
+    the workers (Ray takes fractions only below 1), one GPU each on CUDA."""
+    share = cluster_cpus / num_workers
+    cpus = float(math.floor(share)) if share >= 1 else share
+    return cpus, int(torch.device(device).type == "cuda"), max(1, math.floor(share))
+
+
+def to_store(params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, np.ndarray]:
+    """The weights as the object store should hold them: on the CPU in the workers' dtype, as numpy arrays
+    (bf16 as int16). Ray stores numpy arrays without pickling them and an actor reads them in place
+    (`_from_store`), where torch tensors are pickled and copied at both ends."""
+    out = {}
+    for name, p in params.items():
+        t = p.detach().to("cpu", dtype).contiguous()
+        out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return out
+
+
+def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors over the arrays `to_store` made (read-only views of the object store, no copy: the worker
+    copies them into its model)."""
+    with warnings.catch_warnings():  # torch warns that the arrays are not writable: they are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return {name: torch.from_numpy(a).view(dtype) for name, a in weights.items()}
+
+
+# `hand_over` runs in a concurrency group of its own, beside a running `rollout` (the default group keeps one
+# thread: a worker's rollouts and weight loads never overlap).
+@ray.remote(concurrency_groups={"handover": 1})
+class WorkerActor:
+    """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
+    architecture with the weights it is sent."""
+
+    def __init__(self, model_dir: str, tokenizer, config: WorkerConfig, worker_id: int, seed: int, device: str,
+                 threads: int, weights: dict[str, np.ndarray], version: int, cost_model: CostModel | None):
+        setup_process(seed, device)
+        torch.set_num_threads(threads)
+        # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
+        self.worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
+                                    cost_model=cost_model)
+        self.worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> int:
+        self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
+        return version
+
+    def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
+                weights_version: int, step: int | None = None,
+                continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
+        return self.worker.rollout(groups, params, history, weights_version, step, continuations)
+
+    @ray.method(concurrency_group="handover")
+    def hand_over(self, n: int | None = None) -> list[Continuation]:
+        return self.worker.hand_over(n)
+
+    def spec_state(self) -> dict | None:
+        return self.worker.spec_state()
+
+    def load_spec_state(self, state: dict | None) -> None:
+        self.worker.load_spec_state(state)
