@@ -1,0 +1,195 @@
+"""`rhymerl bench`: the benchmarks, each printing a table, then its summary as one JSON line: engine (our
+engine vs transformers generate), spec (HistoSpec vs plain decoding), pipe (HistoPipe schedules), matmul
+(AMX tiles vs oneDNN), e2e (seconds per GRPO step vs TRL) and workers (local vs Ray workers).
+
+Each command checks its list and dtype options before anything loads (`options.number_list`,
+`options.check_dtype`); the benches check the rest of their input (`rhymerl.bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spec_bench, workers_bench
+from rhymerl.commands.options import (DEVICE_HELP, MODEL_HELP, DefaultsHelp, check_dtype, number_list, positive_int,
+                                      setup)
+from rhymerl.config import DRAFT_RULES
+
+
+def _report(module, summary: dict) -> int:
+    """The bench's table, then its summary as the last line (JSON)."""
+    module.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    """`bench engine`: our engine vs transformers generate, per batch size."""
+    batches = number_list(args.batches, "--batches")
+    check_dtype(args.dtype)
+    setup(args)
+    return _report(engine_bench, engine_bench.run(args.model, args.dtype, batches, args.num_prompts, args.max_tokens,
+                                                  args.temperature, args.top_p, args.seed, args.skip_hf, args.device))
+
+
+def cmd_bench_spec(args) -> int:
+    """`bench spec`: HistoSpec vs plain decoding on a second epoch of the same prompts."""
+    temperatures = number_list(args.temperatures, "--temperatures", float, least=0)
+    check_dtype(args.dtype)
+    setup(args)
+    summary = spec_bench.run(args.model, args.dtype, temperatures, args.num_prompts, args.num_generations, args.slots,
+                             args.max_tokens, args.data, args.identity_prompts, args.identity_max_tokens, args.seed,
+                             args.draft_rule, args.max_draft_tokens, args.history_from, args.repeats,
+                             args.epoch_seeds, args.device, reward_aware=args.reward_aware)
+    return _report(spec_bench, summary)
+
+
+def cmd_bench_pipe(args) -> int:
+    """`bench pipe`: HistoPipe's schedules, simulated from a trace, then (with --real) timed on real workers."""
+    workers = number_list(args.workers, "--workers")
+    check_dtype(args.dtype)
+    if args.cost_from == "measure" or args.real:
+        setup(args)
+    summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device, workers, args.slots,
+                             args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
+                             args.max_tokens, args.temperature, args.seed, args.ray_workers)
+    return _report(pipe_bench, summary)
+
+
+def cmd_bench_matmul(args) -> int:
+    """`bench matmul`: one forward's bf16 matmuls, AMX tiles vs oneDNN."""
+    rows = number_list(args.rows, "--rows")
+    return _report(matmul_bench, matmul_bench.run(args.model, rows, args.repeats, args.seed))
+
+
+def cmd_bench_e2e(args) -> int:
+    """`bench e2e`: seconds per GRPO step, TRL's GRPOTrainer vs rhymerl (speculation off, HistoSpec)."""
+    summary = e2e_bench.run(args.model, args.dtype, args.num_prompts, args.prompts_per_step, args.num_generations,
+                            args.max_completion_length, args.micro_batch_size, args.learning_rate, args.epochs,
+                            args.temperature, args.format_weight, args.seed, args.skip_trl)
+    return _report(e2e_bench, summary)
+
+
+def cmd_bench_workers(args) -> int:
+    """`bench workers`: seconds per GRPO step, local 1 worker vs Ray 1 and 2 workers."""
+    return _report(workers_bench, workers_bench.run(args.overrides, args.steps, args.warmup, args.repeats, args.dtype,
+                                                    args.out))
+
+
+def add_parser(sub) -> None:
+    """`bench` and its benchmarks with their options, on the top-level subparsers `sub`."""
+    b = sub.add_parser("bench", help="benchmarks (table, then a JSON line)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="our engine vs transformers generate", formatter_class=DefaultsHelp)
+    be.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    be.add_argument("--dtype", default="auto", help="auto | bf16 | fp32, for both sides (auto: bf16 where native, else fp32)")
+    be.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (slots for our engine)")
+    be.add_argument("--num-prompts", type=positive_int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
+    be.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
+    be.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    be.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    be.add_argument("--seed", type=int, default=0, help="sampling seed and prompt-set seed")
+    be.add_argument("--skip-hf", action="store_true", help="only our engine")
+    be.add_argument("--device", default=None, help=DEVICE_HELP)
+    be.set_defaults(func=cmd_bench_engine)
+    bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts",
+                         formatter_class=DefaultsHelp)
+    bs.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bs.add_argument("--dtype", default="auto", help="dtype of the timed rollouts, auto = bf16 where native, else fp32 (identity and the fp32 tail always run in fp32)")
+    bs.add_argument("--temperatures", default="0.3,0.6,1.0", help="comma-separated sampling temperatures")
+    bs.add_argument("--num-prompts", type=positive_int, default=16,
+                    help="distinct prompts (each recurs in the second epoch)")
+    bs.add_argument("--num-generations", type=positive_int, default=8, help="responses per prompt and epoch")
+    bs.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
+    bs.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
+    bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
+    bs.add_argument("--repeats", type=positive_int, default=3,
+                    help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its "
+                         "fastest (with 2, a machine whose speed drifts by a few percent left one side on a slow "
+                         "stretch in some runs)")
+    bs.add_argument("--epoch-seeds", type=positive_int, default=1,
+                    help="timed epochs with seeds seed+2000, seed+2001, ...; figures are totals over them (the tail and "
+                         "identity use the first)")
+    bs.add_argument("--identity-prompts", type=int, default=16, help="prompts (x2) for the fp32 identity check")
+    bs.add_argument("--identity-max-tokens", type=positive_int, default=96,
+                    help="max_completion_length of the identity check")
+    bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,
+                    help="per-sequence draft length rule (the step budget applies to all)")
+    bs.add_argument("--max-draft-tokens", type=int, default=32, help="draft tokens per sequence and step, at most")
+    bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")
+    bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
+                    help="draft from a training run's saved history (and use its policy and prompts)")
+    bs.add_argument("--reward-aware", action="store_true",
+                    help="HistoSpec drafts reward-aware (rollout.reward_aware_drafting): branches of higher-reward "
+                         "responses first; with --history-from, whose history carries the run's rewards")
+    bs.add_argument("--device", default=None, help=DEVICE_HELP)
+    bs.set_defaults(func=cmd_bench_spec)
+    bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, then real runs: one "
+                                      "worker's longest-first vs FIFO admission, and Ray workers under every "
+                                      "rollout.schedule (histopipe with migration too)", formatter_class=DefaultsHelp)
+    bp.add_argument("--trace", default=None, metavar="PATH",
+                    help="a run directory or its lengths.jsonl (default: the trace shipped with the package, "
+                         "rhymerl/histopipe/traces/default.jsonl)")
+    bp.add_argument("--cost-from", default="measure", metavar="measure|FILE.json",
+                    help="the simulation's cost model: measured on --model at start-up, or a CostModel.as_dict() JSON")
+    bp.add_argument("--workers", default="8,64,1024", help="comma-separated simulated worker counts")
+    bp.add_argument("--slots", type=positive_int, default=32,
+                    help="slots per simulated worker (and of the measured cost model)")
+    bp.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bp.add_argument("--dtype", default="auto", help="auto | bf16 | fp32: the cost model's and the real runs'")
+    bp.add_argument("--device", default=None, help=DEVICE_HELP)
+    bp.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time real runs: one worker, FIFO vs longest-first admission, then --ray-workers Ray "
+                         "workers under every schedule (--no-real: simulation only)")
+    bp.add_argument("--repeats", type=positive_int, default=3,
+                    help="real runs of each admission order and schedule, in rotating order; the median counts")
+    bp.add_argument("--ray-workers", type=int, default=2,
+                    help="Ray workers of the real schedule runs (0: one worker's admission orders only)")
+    bp.add_argument("--real-prompts", type=positive_int, default=16,
+                    help="built-in arithmetic prompts of the real runs")
+    bp.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt in the real runs")
+    bp.add_argument("--real-slots", type=positive_int, default=16,
+                    help="the real worker's slots (fewer than its requests, "
+                                                               "so that admission order matters)")
+    bp.add_argument("--max-tokens", type=positive_int, default=128, help="max_completion_length of the real runs")
+    bp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the real runs")
+    bp.add_argument("--seed", type=int, default=0,
+                    help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
+                         "seed + 1000, the timed epoch with seed + 2000)")
+    bp.set_defaults(func=cmd_bench_pipe)
+    bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
+                         formatter_class=DefaultsHelp)
+    bm.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bm.add_argument("--rows", default="1,8,32,64,96,128", help="comma-separated tokens per step")
+    bm.add_argument("--repeats", type=positive_int, default=7,
+                    help="timed runs of each kernel, alternating; the median counts")
+    bm.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    bm.set_defaults(func=cmd_bench_matmul)
+    b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)",
+                         formatter_class=DefaultsHelp)
+    b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
+    b2.add_argument("--num-prompts", type=positive_int, default=8, help="size of the built-in prompt set")
+    b2.add_argument("--prompts-per-step", type=positive_int, default=2, help="prompts per GRPO step")
+    b2.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt")
+    b2.add_argument("--max-completion-length", type=positive_int, default=128, help="response tokens, at most")
+    b2.add_argument("--micro-batch-size", type=positive_int, default=8,
+                    help="sequences per forward/backward in the update")
+    b2.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW, constant")
+    b2.add_argument("--epochs", type=positive_int, default=3, help="passes over the prompt set")
+    b2.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    b2.add_argument("--format-weight", type=float, default=0.2, help="reward = correctness + weight x format")
+    b2.add_argument("--seed", type=int, default=0, help="one seed for every run")
+    b2.add_argument("--skip-trl", action="store_true", help="only the two rhymerl runs")
+    b2.set_defaults(func=cmd_bench_e2e)
+    bw = bsub.add_parser("workers", help="seconds per GRPO step: local 1 worker, Ray 1 worker, Ray 2 workers",
+                         formatter_class=DefaultsHelp)
+    bw.add_argument("--steps", type=int, default=4, help="timed steps per setup (after the warm-up)")
+    bw.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    bw.add_argument("--repeats", type=int, default=1, help="runs of every setup, alternating order")
+    bw.add_argument("--dtype", default="auto", help="rollout.dtype and train.dtype (auto | bf16 | fp32)")
+    bw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override of the default job (repeatable), e.g. rollout.max_completion_length=32")
+    bw.add_argument("--out", default=None, help="keep the runs' directories here (default: a temporary folder)")
+    bw.set_defaults(func=cmd_bench_workers)
