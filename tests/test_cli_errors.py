@@ -191,6 +191,59 @@ def test_reward_modules_that_cannot_work_stop_the_run(tmp_path, capsys, model_di
     assert latest_checkpoint(tmp_path / "r2") is None
 
 
+def test_a_model_whose_weights_do_not_match_its_config_is_named(tmp_path, capsys, model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    config = json.loads((model_dir / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    _fails(capsys, ["generate", "--model", str(broken), "hi"], broken / "config.json", "gate_proj", "shape")
+    _fails(capsys, ["bench", "engine", "--model", str(broken), "--skip-hf", "--device", "cpu", "--batches", "1"],
+           broken / "config.json", "does not match the weights")
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    _fails(capsys, ["generate", "--model", str(broken), "hi"], broken / "config.json", "model.layers.2.")
+
+
+# ---------------------------------------------------------------- bench (each fails before anything loads)
+
+
+def test_bench_options_are_checked(capsys):
+    _fails(capsys, ["bench", "engine", "--batches", "1,x"], "--batches", "'1,x'", "integers")
+    _fails(capsys, ["bench", "engine", "--batches", "8,0"], "--batches", "at least 1")
+    _fails(capsys, ["bench", "engine", "--dtype", "fp8"], "--dtype", "fp8")
+    _fails(capsys, ["bench", "engine", "--top-p", "1.5"], "bench engine", "top_p")
+    _fails(capsys, ["bench", "spec", "--temperatures", "0.3,hot"], "--temperatures", "numbers")
+    _fails(capsys, ["bench", "pipe", "--workers", "8,sixty", "--no-real"], "--workers")
+    _fails(capsys, ["bench", "matmul", "--rows", "1,,8"], "--rows")
+    _fails(capsys, ["bench", "e2e", "--num-prompts", "7", "--prompts-per-step", "2"], "--num-prompts", "--prompts-per-step")
+    _fails(capsys, ["bench", "e2e", "--dtype", "fp16"], "--dtype", "fp16", "--skip-trl")
+    _fails(capsys, ["bench", "e2e", "--micro-batch-size", "3"], "--micro-batch-size", "8")
+    with pytest.raises(UserError):
+        cli.main(["--debug", "bench", "engine", "--batches", "x"])
+
+
+def test_bench_pipe_trace_and_cost_model_errors_name_the_file(tmp_path, capsys):
+    trace = tmp_path / "lengths.jsonl"
+    # the default --cost-from measure: the trace is checked before the cost model is measured on a model
+    trace.write_text("")
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--no-real"], trace, "an empty trace")
+    trace.write_bytes(b'{"step": 1, "groups": [{"prompt": "caf\xe9", "lengths": [3]}]}\n')
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--no-real"], trace, "UTF-8")
+    trace.write_text("[1, 2]\n")
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--no-real"], trace, "not a length trace")
+    trace.write_text(json.dumps({"step": 1, "groups": [{"prompt": "a", "lengths": []}]}) + "\n")
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--no-real"], trace, "no group with recorded lengths")
+    trace.write_text(json.dumps({"step": 1, "groups": [{"prompt": "a", "lengths": [3, "x"]}]}) + "\n")
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--no-real"], trace, "not a length trace")
+
+    trace.write_text(json.dumps({"step": 1, "groups": [{"prompt": "a", "lengths": [3, 4]}]}) + "\n")
+    cost = tmp_path / "cost.json"
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost), "--no-real"],
+           "--cost-from", cost, "no such file")
+    cost.write_text(json.dumps({"seqs": [1]}))
+    _fails(capsys, ["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost), "--no-real"],
+           "--cost-from", cost, "not a cost model")
+
+
 # ---------------------------------------------------------------- report
 
 

@@ -20,9 +20,10 @@ from rich.table import Table
 
 from rhymerl.bench.console import table_console
 from rhymerl.bench.progress import Progress
-from rhymerl.bench.trl_baseline import run_trl_grpo
+from rhymerl.bench.trl_baseline import TRL_DTYPES, run_trl_grpo
 from rhymerl.config import load_config
 from rhymerl.data.dataset import Example, builtin_examples
+from rhymerl.errors import UserError
 from rhymerl.metrics import read_metrics
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.rl.loop import TrainingRun
@@ -59,13 +60,28 @@ def run_rhymerl(overrides: list[str], out_dir: Path, steps_per_epoch: int) -> di
     return out
 
 
+def _check(dtype: str, num_prompts: int, prompts_per_step: int, num_generations: int, micro_batch_size: int,
+           skip_trl: bool) -> None:
+    """The options every run must accept, checked before anything loads (UserError naming them)."""
+    if num_prompts < 1 or prompts_per_step < 1 or num_prompts % prompts_per_step:
+        raise UserError(f"bench e2e: --num-prompts ({num_prompts}) must be a multiple of --prompts-per-step "
+                        f"({prompts_per_step}): every epoch is whole steps")
+    if skip_trl:
+        return
+    # TRL's own checks (run_trl_grpo), here so that they fail before the model is fetched
+    if dtype not in TRL_DTYPES:
+        raise UserError(f"bench e2e: --dtype {dtype!r}: TRL runs {' or '.join(TRL_DTYPES)} (or pass --skip-trl)")
+    if micro_batch_size < 1 or (prompts_per_step * num_generations) % micro_batch_size:
+        raise UserError(f"bench e2e: --micro-batch-size ({micro_batch_size}) must divide --prompts-per-step x "
+                        f"--num-generations ({prompts_per_step * num_generations}) for TRL (or pass --skip-trl)")
+
+
 def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, prompts_per_step: int = 2,
         num_generations: int = 4, max_completion_length: int = 128, micro_batch_size: int = 8,
         learning_rate: float = 1e-5, epochs: int = 3, temperature: float = 1.0, format_weight: float = 0.2,
         seed: int = 0, skip_trl: bool = False) -> dict:
+    _check(dtype, num_prompts, prompts_per_step, num_generations, micro_batch_size, skip_trl)
     steps_per_epoch = num_prompts // prompts_per_step
-    if steps_per_epoch * prompts_per_step != num_prompts:
-        raise ValueError(f"num_prompts ({num_prompts}) must be a multiple of prompts_per_step ({prompts_per_step})")
     steps = epochs * steps_per_epoch
     # progress: each run's steps are its units (the model fetch and TRL's start-up ride on them)
     progress = Progress("e2e", (0 if skip_trl else steps) + 2 * steps)

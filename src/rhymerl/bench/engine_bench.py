@@ -18,6 +18,7 @@ from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 
@@ -55,6 +56,10 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
 def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32), num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         skip_hf: bool = False, device: str | None = None) -> dict:
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    except ValueError as e:  # its range checks, naming the field: before the model loads
+        raise UserError(f"bench engine: {e} (--temperature, --top-p, --max-tokens)") from None
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
     progress = Progress("engine", 2 + (not skip_hf) + len(batches) * (1 + (not skip_hf)))
     progress.stage(f"loading {model_name} ({dtype})")
@@ -66,7 +71,6 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).to(device).eval()
     eos_ids = sorted(Engine(model, tokenizer, num_slots=1, max_model_len=8).eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     problems = make_problems(max(max(DEFAULT_PROMPTS.values()), num_prompts or 0), seed=seed)
     all_prompts = [chat_prompt_ids(tokenizer, prompt_text(p)) for p in problems]
     max_model_len = max(map(len, all_prompts)) + max_tokens

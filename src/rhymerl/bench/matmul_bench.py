@@ -19,6 +19,7 @@ from rhymerl.bench.console import table_console
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.backends import native
 from rhymerl.engine.backends.cpu_weights import model_weights
+from rhymerl.errors import UserError
 from rhymerl.model.decoder import Linear
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.weights import load_decoder
@@ -33,19 +34,20 @@ def _forward_linears(model) -> list[Linear]:
 
 def run(model_name: str = "smollm2-135m", rows=(1, 8, 32, 64, 96, 128), repeats: int = 7, seed: int = 0) -> dict:
     if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
     ops = native.ops()
     if ops is None or not ops.tile_linear_supported():
-        raise RuntimeError("bench matmul needs the fused CPU kernels on a CPU with AMX-BF16 tiles "
-                           "(ops.tile_linear_supported() is false here)")
+        # not a bug: this machine cannot run the bench (as --device cuda without a GPU), one line says why
+        raise UserError("bench matmul needs the fused CPU kernels on a CPU with AMX-BF16 tiles "
+                        "(ops.tile_linear_supported() is false here)")
     progress = Progress("matmul", 1 + len(rows))
     progress.stage(f"loading {model_name} and packing its weights")
     model = load_decoder(resolve_model_dir(model_name), torch.bfloat16, "cpu")  # no tokenizer needed
     weights = model_weights(model)
     if not weights.packable():
-        raise RuntimeError("bench matmul: oneDNN has no prepacked bf16 matmul on this CPU")
+        raise UserError("bench matmul: oneDNN has no prepacked bf16 matmul on this CPU")
     if not weights.tiles_fit():
-        raise RuntimeError(f"bench matmul: {model_name} has a weight that the tile layout does not take")
+        raise UserError(f"bench matmul: --model {model_name} has a weight that the tile layout does not take")
     linears = _forward_linears(model)
     g = torch.Generator().manual_seed(seed)
     results = {}

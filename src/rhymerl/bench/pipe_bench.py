@@ -37,6 +37,7 @@ from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figu
                                      print_real_tables, rounded, run_ray, run_real)
 from rhymerl.bench.progress import Progress
 from rhymerl.cost_model import CostModel
+from rhymerl.errors import UserError
 from rhymerl.histopipe.metrics import summary as step_summary
 from rhymerl.histopipe.plan import POLICIES
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
@@ -50,8 +51,15 @@ DEFAULT_WORKERS = (8, 64, 1024)
 # ------------------------------------------------------------------------------------------- (a) simulation
 
 def load_cost_model(source: str | Path) -> CostModel:
-    """A `CostModel.as_dict()` JSON file."""
-    return CostModel.from_dict(json.loads(Path(source).read_text(encoding="utf-8")))
+    """A `CostModel.as_dict()` JSON file (`--cost-from`); UserError naming it when it is not one."""
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"--cost-from {source}: no such file; give measure (the default) or a CostModel JSON file")
+    try:
+        return CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # JSONDecodeError and UnicodeDecodeError too
+        raise UserError(f"--cost-from {source}: not a cost model (CostModel.as_dict() JSON, as bench pipe's JSON "
+                        f"line holds under cost_model): {type(e).__name__}: {e}") from None
 
 
 def measure_cost_model(model_name: str, dtype: str = "auto", device: str | None = None, slots: int = 32,
@@ -86,8 +94,27 @@ def trace_draws(steps: Sequence[dict]) -> tuple[list[tuple[str, list[int], float
     start = 0 if first is None else first
     out = [(key, lengths, p, k) for key, lengths, p, k, t in draws if t >= start]
     if not out:
-        raise ValueError("the trace holds no group with recorded lengths")
+        raise UserError("the trace holds no group with recorded lengths")
     return out, start
+
+
+def read_checked_trace(trace: str | Path) -> list[dict]:
+    """The steps of a trace (`read_trace`), checked as the simulation reads them: UserError naming `--trace`
+    for a trace that is not UTF-8, empty, or not steps of groups with recorded lengths."""
+    try:
+        steps = read_trace(trace)
+    except UnicodeDecodeError as e:
+        raise UserError(f"--trace {trace}: not UTF-8 text ({e.reason} at byte {e.start}); a trace is a run's "
+                        f"lengths.jsonl") from None
+    if not steps:
+        raise UserError(f"--trace {trace}: an empty trace (no step); a trace is a run's lengths.jsonl")
+    try:
+        trace_draws(steps)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # ValueError: UserError and int() alike
+        why = str(e) if isinstance(e, UserError) else f"not a length trace ({type(e).__name__}: {e})"
+        raise UserError(f"--trace {trace}: {why}; each line is {{\"step\": N, \"groups\": [{{\"prompt\": KEY, "
+                        f"\"lengths\": [...]}}, ...]}}") from None
+    return steps
 
 
 def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, seed: int | None = 0):
@@ -110,10 +137,8 @@ def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int
 def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[int] = DEFAULT_WORKERS,
                    slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0) -> dict:
     """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures; `seed`
-    shuffles each step's arrival order (`draw_step`)."""
-    steps = read_trace(trace)
-    if not steps:
-        raise ValueError(f"{trace}: an empty trace")
+    shuffles each step's arrival order (`draw_step`). A trace it cannot read: UserError (`read_checked_trace`)."""
+    steps = read_checked_trace(trace)
     draws, first = trace_draws(steps)
     known = [i for i, d in enumerate(draws) if d[3]]
     stat = LengthPredictor().statistic
@@ -161,6 +186,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     trace = Path(trace) if trace is not None else DEFAULT_TRACE
     if not trace.exists():
         raise FileNotFoundError(f"--trace {trace}: no such file or run directory")
+    read_checked_trace(trace)  # a bad trace fails before the cost model is measured (simulate_trace reads it again)
     progress = Progress("pipe", (cost_from == "measure") + 1 + real * (1 + (ray_workers > 0)))
     if cost_from == "measure":
         progress.stage(f"measuring the cost model on {model} ({slots} slots)")

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.cost_model import CostModel
+from rhymerl.errors import UserError
 
 
 def log(msg: str) -> None:
@@ -67,7 +68,7 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, WorkerConfig
 
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
     if prompts is None:
@@ -167,7 +168,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     from rhymerl.rollout.factory import make_pool
 
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
     if prompts is None:

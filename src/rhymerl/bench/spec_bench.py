@@ -35,6 +35,7 @@ from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
@@ -56,7 +57,7 @@ def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[in
 def history_of_run(run_dir: str | Path) -> tuple[HistoryStore, Path]:
     """The history store of a training run's latest checkpoint, and that checkpoint's directory. Only its
     history.json is read (2026-11-25): the checkpoint's trainer.pt, a pickle, is never loaded here. Raises
-    FileNotFoundError without a checkpoint or history, ValueError for a file that is not a history store."""
+    FileNotFoundError without a checkpoint or history, UserError for a file that is not a history store."""
     ckpt = latest_checkpoint(Path(run_dir))
     if ckpt is None:
         raise FileNotFoundError(f"--history-from {run_dir}: no checkpoint in {Path(run_dir) / 'checkpoints'}")
@@ -68,7 +69,7 @@ def history_of_run(run_dir: str | Path) -> tuple[HistoryStore, Path]:
         history.load(path)
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         why = f"{path} is not a history store ({type(e).__name__}: {e})"
-        raise ValueError(f"--history-from {run_dir}: {why}") from None
+        raise UserError(f"--history-from {run_dir}: {why}") from None
     return history, ckpt
 
 
@@ -140,9 +141,9 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=3, epoch_seeds=1, device=None,
         reward_aware=False) -> dict:
     if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+        raise UserError(f"--repeats must be at least 1, got {repeats}")
     if epoch_seeds < 1:
-        raise ValueError(f"--epoch-seeds must be >= 1, got {epoch_seeds}")
+        raise UserError(f"--epoch-seeds must be at least 1, got {epoch_seeds}")
     run_history = None
     if history_from is not None:
         run_history, ckpt = history_of_run(history_from)

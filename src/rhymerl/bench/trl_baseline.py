@@ -27,7 +27,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The dtypes the TRL side runs in (`bench e2e --dtype` checks against them before anything loads).
+TRL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -124,8 +125,8 @@ def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in TRL_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TRL_DTYPES)}, got {dtype!r}")
     if len(prompts) != len(ground_truths):
         raise ValueError("prompts and ground_truths differ in length")
     if len(prompts) < prompts_per_step:
@@ -168,7 +169,7 @@ def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths
         max_grad_norm=max_grad_norm,
         # Precision: TRL would default to bf16 autocast; follow the benchmark's dtype instead.
         bf16=dtype == "bf16",
-        model_init_kwargs={"dtype": _DTYPES[dtype]},
+        model_init_kwargs={"dtype": TRL_DTYPES[dtype]},
         gradient_checkpointing=gradient_checkpointing,
         # Device and data: CPU when there is no GPU, the dataset shuffled with the seed, no worker processes.
         use_cpu=not torch.cuda.is_available(),

@@ -14,6 +14,10 @@ from safetensors import safe_open
 
 from rhymerl.model.config import ModelConfig
 from rhymerl.model.decoder import Decoder, rope_inv_freq
+from rhymerl.model.directory import ModelFileError
+
+# Weights that do not fit config.json are bad input (ModelFileError: one line from the command line), not a bug.
+_ADVICE = "copy or download the model directory again, config.json together with its weights"
 
 # Parts of a fused parameter, in the order they are concatenated along dim 0.
 _FUSED = {
@@ -61,10 +65,13 @@ def load_decoder(model_dir: str | Path, dtype: torch.dtype = torch.float32, devi
         parts = _hf_names(name)
         missing = [p for p in parts if p not in tensors]
         if missing:
-            raise KeyError(f"{model_dir}: checkpoint lacks {missing} needed for parameter {name}")
+            raise ModelFileError(f"{model_dir / 'config.json'} does not match the weights beside it: they lack "
+                                 f"{', '.join(missing)} (for {name}); {_ADVICE}")
         t = torch.cat([tensors[p] for p in parts], dim=0) if len(parts) > 1 else tensors[parts[0]]
         if t.shape != param.shape:
-            raise ValueError(f"{model_dir}: {parts} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+            raise ModelFileError(f"{model_dir / 'config.json'} does not match the weights beside it: "
+                                 f"{', '.join(parts)} has shape {tuple(t.shape)}, the config makes it "
+                                 f"{tuple(param.shape)}; {_ADVICE}")
         state[name] = t.to(dtype)
     # strict=False only because a tied lm_head.weight is not a separate tensor; every parameter was
     # checked above.
