@@ -1,6 +1,6 @@
 """The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
 
-Importing this module imports ray (through `ray_pool`, the only module that imports it), so only the
+Importing this module imports ray (through `ray_pool`; it and `ray_actor` are the only modules that import it), so only the
 training loop imports it: `from rhymerl.rollout import ...` stays free of ray.
 """
 
