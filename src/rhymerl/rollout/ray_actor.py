@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -60,7 +61,12 @@ def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str,
 
 
 # `hand_over` runs in a concurrency group of its own, beside a running `rollout` (the default group keeps one
-# thread: a worker's rollouts and weight loads never overlap).
+# thread: a worker's rollouts and weight loads never overlap). Ray then runs every method on a thread of its
+# own, and __init__ on yet another. Each thread that enters an OpenMP region gets a thread pool of its own, and
+# once libgomp manages more threads than there are cores it stops spinning at barriers: a bf16 matmul took
+# 2.3x as long, a rollout 1.5x (2026-11-25, docs/notebook/2026-11-25.md). So all of the worker's compute runs
+# on one thread, `_compute`, and the process keeps one OpenMP pool. `hand_over` computes nothing (it sets a
+# flag the rollout honours between engine steps).
 @ray.remote(concurrency_groups={"handover": 1})
 class WorkerActor:
     """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
@@ -68,34 +74,45 @@ class WorkerActor:
 
     def __init__(self, model_dir: str, tokenizer, config: WorkerConfig, worker_id: int, seed: int, device: str,
                  threads: int, weights: dict[str, np.ndarray], version: int, cost_model: CostModel | None):
-        setup_process(seed, device)
-        torch.set_num_threads(threads)
-        # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
-        self.worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
-                                    cost_model=cost_model)
-        self.worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="rollout-worker")
+
+        def build() -> RolloutWorker:
+            setup_process(seed, device)
+            torch.set_num_threads(threads)
+            # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
+            worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
+                                   cost_model=cost_model)
+            worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
+            return worker
+
+        self.worker = self._compute.submit(build).result()
+
+    def _on_compute(self, fn, *args):
+        """fn(*args) on the compute thread (see above); its exception raises here."""
+        return self._compute.submit(fn, *args).result()
 
     def pid(self) -> int:
         return os.getpid()
 
     def threads(self) -> int:
-        return torch.get_num_threads()
+        return self._on_compute(torch.get_num_threads)
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> int:
-        self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
+        self._on_compute(self.worker.load_weights, _from_store(weights, parse_dtype(self.worker.config.dtype)),
+                         version)
         return version
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int, step: int | None = None,
                 continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
-        return self.worker.rollout(groups, params, history, weights_version, step, continuations)
+        return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
 
     @ray.method(concurrency_group="handover")
     def hand_over(self, n: int | None = None) -> list[Continuation]:
         return self.worker.hand_over(n)
 
     def spec_state(self) -> dict | None:
-        return self.worker.spec_state()
+        return self._on_compute(self.worker.spec_state)
 
     def load_spec_state(self, state: dict | None) -> None:
-        self.worker.load_spec_state(state)
+        self._on_compute(self.worker.load_spec_state, state)
