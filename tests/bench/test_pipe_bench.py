@@ -82,9 +82,9 @@ def test_simulation_shape_and_bounds(trace):
     check_sim(sim["workers"], (2, 8))
 
 
-def test_cli_sim_only_prints_a_table_then_one_json_line(trace, cost_file, capsys):
+def test_cli_sim_only_prints_a_table_then_one_json_line(trace, cost_file, tmp_path, capsys):
     rc = main(["bench", "pipe", "--trace", str(trace.parent), "--cost-from", str(cost_file), "--workers", "2,8",
-               "--slots", "4", "--no-real"])
+               "--slots", "4", "--no-real", "--out", str(tmp_path / "out")])
     assert rc == 0
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
@@ -144,3 +144,40 @@ def test_two_ray_workers_run_every_schedule_with_the_same_tokens(ray_cluster, ca
     assert real["static"]["speedup_vs_static"] == 1.0
     pipe_bench.print_real_tables({**real, "one_worker": None}, pipe_bench.table_console())
     assert "2 Ray workers" in capsys.readouterr().out
+
+
+def test_runs_per_mode_and_gantt_charts(trace, cost_file, tmp_path, capsys):
+    """2026-11-25: sync and one_step_off runs per policy (JSON, table) and one Gantt PNG per worker count up
+    to 64, policy and mode, in --out."""
+    out = tmp_path / "charts"
+    rc = main(["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost_file), "--workers", "2,65",
+               "--slots", "2", "--run-steps", "3", "--train-s", "0.5", "--out", str(out), "--no-real"])
+    assert rc == 0
+    stdout, err = capsys.readouterr()
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["out"] == str(out) and str(out) in err and "HistoPipe runs of 3 steps" in stdout
+    assert summary["sim_info"]["modes"] == ["sync", "one_step_off"] and summary["sim_info"]["train_s"] == 0.5
+    for w in ("2", "65"):
+        modes = summary["sim"][w]["modes"]
+        assert set(modes) == {"sync", "one_step_off"}
+        for mode, by_policy in modes.items():
+            assert set(by_policy) == set(POLICIES)
+            for r in by_policy.values():
+                assert r["step_s"] == pytest.approx(r["total_s"] / 3, rel=1e-3) and 0 <= r["bubble"] < 1
+            assert by_policy["static"]["speedup_vs_static"] == 1.0
+        # the updates overlap the rollouts: the baselines, in the same order in both modes, can only gain
+        for policy in ("static", "least_loaded"):
+            assert modes["one_step_off"][policy]["speedup_vs_sync"] > 1.0
+    pngs = sorted(p.name for p in out.iterdir())
+    assert pngs == sorted(f"gantt_2_{p}_{m}.png" for p in POLICIES for m in ("sync", "one_step_off"))
+    assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_modes_option_is_checked(trace, cost_file, tmp_path, capsys):
+    rc = main(["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost_file), "--modes", "sync,async",
+               "--no-real", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--modes" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    rc = main(["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost_file), "--workers", "2",
+               "--slots", "2", "--modes", "one_step_off", "--out", str(tmp_path / "o"), "--no-real"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and list(summary["sim"]["2"]["modes"]) == ["one_step_off"]

@@ -13,6 +13,18 @@ policy (`plan.POLICIES`) runs the same groups through `simulate`; per policy the
 bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for `histopipe` its
 share of `oracle` (oracle makespan / histopipe makespan).
 
+Then runs of `run_steps` such steps in a row (2026-11-25; `simulate_run`), step 1 the step above and each
+next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
+`train_s` seconds (default 0: the trainer is not part of this bench; then one_step_off's gain is the
+workers' bubbles alone). Each step is planned once and run in both modes. Per policy and mode: the run's
+wall time (`total_s`, up to its last update), the mean time per step (`step_s` = total / steps), the bubble
+ratio over the whole run, the speed-up over `static` and, in one_step_off, over the same policy in sync.
+With `gantt_dir`, one Gantt chart per worker count (up to 64), policy and mode: `gantt_W_POLICY_MODE.png`.
+
+The JSON's "sim" holds, per worker count, the step's figures per policy as before and, under "modes", the
+runs': `{"sim": {"64": {"groups": ..., "static": {"makespan_over_lb": ..., "bubble": ...}, ...,
+"modes": {"sync": {"static": {"step_s": ..., "bubble": ...}, ...}, "one_step_off": {...}}}}}`.
+
 (b) Real runs (`rhymerl.bench.pipe_real`): one worker, FIFO vs longest-first admission (`run_real`), and
 `ray_workers` Ray workers under every schedule, histopipe with migration too (`run_ray`), on the real model
 and the built-in arithmetic prompts; the tokens are checked identical across all of them. `run` runs both
@@ -38,14 +50,16 @@ from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figu
 from rhymerl.bench.progress import Progress
 from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
+from rhymerl.histopipe.metrics import bubble_ratio
 from rhymerl.histopipe.metrics import summary as step_summary
-from rhymerl.histopipe.plan import POLICIES
+from rhymerl.histopipe.plan import POLICIES, plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
-from rhymerl.histopipe.simulate import simulate
+from rhymerl.histopipe.simulate import MODES, run_plan, simulate_run
 from rhymerl.histopipe.trace import read_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "histopipe" / "traces" / "default.jsonl"
 DEFAULT_WORKERS = (8, 64, 1024)
+GANTT_MAX_WORKERS = 64  # more bands than this are no longer legible
 
 
 # ------------------------------------------------------------------------------------------- (a) simulation
@@ -117,14 +131,16 @@ def read_checked_trace(trace: str | Path) -> list[dict]:
     return steps
 
 
-def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, seed: int | None = 0):
-    """Groups cycled from `draws` until they hold at least `requests` requests: (lengths, predicted,
-    with-history flags), in an arrival order shuffled by `seed` (None: the cycle's order).
+def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, seed: int | None = 0,
+              start: int = 0):
+    """Groups cycled from `draws`, from the cycle's position `start`, until they hold at least `requests`
+    requests: (lengths, predicted, with-history flags), in an arrival order shuffled by `seed` (None: the
+    cycle's order).
 
     A training run's sampler hands a step its prompts in random order. The cycle's order would not do for
     the baselines, which split by arrival order: when the cycle's period and the worker count share a
     factor, a round robin puts every copy of a prompt on the same worker."""
-    picked, held, i = [], 0, 0
+    picked, held, i = [], 0, start
     while held < requests:
         picked.append(draws[i % len(draws)])
         held += len(picked[-1][1])
@@ -134,10 +150,25 @@ def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int
     return [list(d[1]) for d in picked], [d[2] for d in picked], [d[3] for d in picked]
 
 
+def draw_steps(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, count: int,
+               seed: int | None = 0) -> list[tuple[list[list[int]], list[float]]]:
+    """`count` consecutive steps of `draw_step` (each from where the one before left the cycle; step k's
+    order shuffled by seed + k), as (lengths, predicted): the first is `draw_step(draws, requests, seed)`."""
+    out, start = [], 0
+    for k in range(count):
+        lengths, predicted, _ = draw_step(draws, requests, None if seed is None else seed + k, start)
+        out.append((lengths, predicted))
+        start += len(lengths)
+    return out
+
+
 def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[int] = DEFAULT_WORKERS,
-                   slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0) -> dict:
-    """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures; `seed`
-    shuffles each step's arrival order (`draw_step`). A trace it cannot read: UserError (`read_checked_trace`)."""
+                   slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0,
+                   modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
+                   gantt_dir: str | Path | None = None) -> dict:
+    """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures, and under
+    "modes" the runs' (see the module doc); `seed` shuffles each step's arrival order (`draw_step`); with
+    `gantt_dir`, the Gantt charts (created if missing). A trace it cannot read: UserError (`read_checked_trace`)."""
     steps = read_checked_trace(trace)
     draws, first = trace_draws(steps)
     known = [i for i, d in enumerate(draws) if d[3]]
@@ -149,11 +180,16 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
            "rank_corr": None if ranking is None or math.isnan(ranking["rank_corr"]) else round(ranking["rank_corr"], 3),
            "workers": {}}
     for w in workers:
-        lengths, predicted, _ = draw_step(draws, w * slots, seed)
         started = time.perf_counter()
+        steps = draw_steps(draws, w * slots, max(run_steps, 1), seed)
+        lengths, predicted = steps[0]
+        # Each step planned once, by the code the real scheduler runs; every mode reuses the plans.
+        plans = {policy: [plan([len(g) for g in ls], w, policy, ps, cost_model, slots=slots,
+                               true_lengths=ls if policy == "oracle" else None) for ls, ps in steps]
+                 for policy in policies}
         row = {"groups": len(lengths), "requests": sum(map(len, lengths))}
         for policy in policies:
-            timeline = simulate(lengths, w, policy, slots=slots, cost_model=cost_model, predicted=predicted)
+            timeline = run_plan(lengths, plans[policy][0], slots=slots, cost_model=cost_model)
             s = step_summary(timeline, lengths, slots, cost_model)
             row[policy] = {"makespan_s": s["makespan"], "lower_bound_s": s["lower_bound"],
                            "makespan_over_lb": s["makespan_over_lb"], "bubble": s["bubble"],
@@ -164,6 +200,9 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
             r["speedup_vs_static"] = base / r["makespan_s"] if base and r["makespan_s"] > 0 else None
         if "histopipe" in row and "oracle" in row and row["histopipe"]["makespan_s"] > 0:
             row["histopipe"]["share_of_oracle"] = row["oracle"]["makespan_s"] / row["histopipe"]["makespan_s"]
+        if run_steps > 0:
+            row["modes"] = simulate_modes(steps, w, slots, cost_model, plans, modes, train_s,
+                                          gantt_dir if w <= GANTT_MAX_WORKERS else None)
         out["workers"][str(w)] = rounded(row)
         hp = row.get("histopipe", {})
         log(f"{w} workers x {slots} slots, {row['groups']} groups: "
@@ -173,16 +212,57 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
     return out
 
 
+def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],
+                   train_s: float, gantt_dir: str | Path | None = None) -> dict:
+    """Per mode and policy, the run of `steps` ((lengths, predicted) each) on the policy's `plans` (one per
+    step): its figures (see the module doc), and with `gantt_dir` its Gantt chart."""
+    out: dict = {}
+    for mode in [m for m in MODES if m in modes]:  # sync first: one_step_off's speed-up is over it
+        out[mode] = {}
+        for policy, assignments in plans.items():
+            run = simulate_run([ls for ls, _ in steps], workers, policy, mode=mode, slots=slots,
+                               cost_model=cost_model, train_s=train_s, assignments=assignments)
+            out[mode][policy] = {"total_s": run.total, "step_s": run.total / len(steps),
+                                 "bubble": bubble_ratio(run.timeline, span=run.total)}
+            if gantt_dir is not None:
+                write_gantt(Path(gantt_dir) / f"gantt_{workers}_{policy}_{mode}.png", run,
+                            f"{policy}, {mode}, {workers} workers x {slots} slots, {len(steps)} steps")
+        base = out[mode].get("static", {}).get("total_s")
+        for policy, r in out[mode].items():
+            r["speedup_vs_static"] = base / r["total_s"] if base and r["total_s"] > 0 else None
+            sync = out.get("sync", {}).get(policy) if mode != "sync" else None
+            if sync is not None and r["total_s"] > 0:
+                r["speedup_vs_sync"] = sync["total_s"] / r["total_s"]
+    return out
+
+
+def write_gantt(path: Path, run, title: str) -> None:
+    """One run's Gantt chart as a PNG (`histopipe.gantt`; matplotlib loads only when charts are asked for)."""
+    from rhymerl.histopipe.gantt import gantt_figure
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = gantt_figure([run.timeline], [title], spans=[run.total], max_workers=GANTT_MAX_WORKERS)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+
+
+def default_out_dir() -> Path:
+    """Where the bench writes its charts unless told: `bench-pipe-<UTC time>` under the current directory,
+    as one run's folder that a second run does not overwrite."""
+    return Path.cwd() / time.strftime("bench-pipe-%Y%m%dT%H%M%SZ", time.gmtime())
+
+
 # ------------------------------------------------------------------------------------------- the bench
 
 def run(trace: str | Path | None = None, cost_from: str = "measure", model: str = "smollm2-135m",
         dtype: str = "auto", device: str | None = None, workers: Sequence[int] = DEFAULT_WORKERS, slots: int = 32,
         real: bool = True, repeats: int = 3, real_prompts: int = 16, num_generations: int = 4,
         real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
-        ray_workers: int = 2) -> dict:
+        ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
+        out: str | Path | None = None) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
-    "one_worker", one worker's FIFO vs longest-first (`run_real`)."""
+    "one_worker", one worker's FIFO vs longest-first (`run_real`). The Gantt charts go to `out`
+    (`default_out_dir()` when None), named in the summary's "out"."""
     trace = Path(trace) if trace is not None else DEFAULT_TRACE
     if not trace.exists():
         raise FileNotFoundError(f"--trace {trace}: no such file or run directory")
@@ -194,9 +274,17 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     else:
         cost_model = load_cost_model(cost_from)
     progress.stage(f"simulating {trace} at {', '.join(map(str, workers))} workers")
-    sim = simulate_trace(trace, cost_model, workers, slots, seed=seed)
-    summary = {"sim": sim.pop("workers"), "sim_info": {**sim, "slots": slots, "mode": "sync"},
-               "trace": str(trace), "cost_from": str(cost_from), "cost_model": cost_model.as_dict()}
+    out = Path(out) if out is not None else default_out_dir()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is an existing file; the bench writes its Gantt charts into a directory")
+    sim = simulate_trace(trace, cost_model, workers, slots, seed=seed, modes=modes, run_steps=run_steps,
+                         train_s=train_s, gantt_dir=out)
+    # "mode": the single step's (sync); the runs' modes are under "modes"
+    summary = {"sim": sim.pop("workers"),
+               "sim_info": {**sim, "slots": slots, "mode": "sync", "modes": list(modes), "run_steps": run_steps,
+                            "train_s": train_s},
+               "trace": str(trace), "cost_from": str(cost_from), "cost_model": cost_model.as_dict(),
+               "out": str(out)}
     if real:
         progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
         one = run_real(model, num_prompts=real_prompts, num_generations=num_generations, slots=real_slots,
@@ -210,6 +298,8 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
                                        temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
                                        device=device)
     progress.done()
+    if any(int(w) <= GANTT_MAX_WORKERS for w in summary["sim"]) and run_steps > 0:
+        log(f"Gantt charts (worker counts up to {GANTT_MAX_WORKERS}) in {out}")
     return summary
 
 
@@ -232,4 +322,28 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                       f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-",
                       f"{r['share_of_oracle']:.3f}" if "share_of_oracle" in r else "-")
     console.print(t)
+    print_mode_table(summary, console)
     print_real_tables(summary.get("real"), console)
+
+
+def print_mode_table(summary: dict, console: Console) -> None:
+    """The runs' table: per worker count, mode and policy, the mean time per step and the run's bubble."""
+    info = summary["sim_info"]
+    rows = [(w, mode, policy, r) for w, row in summary["sim"].items()
+            for mode, by_policy in row.get("modes", {}).items()
+            for policy, r in by_policy.items()]
+    if not rows:
+        return
+    t = Table(title=f"HistoPipe runs of {info['run_steps']} steps per mode, updates of {info['train_s']} s "
+                    f"(one_step_off: histopipe/oracle admit shortest first on odd steps, longest on even)")
+    for c in ("workers", "mode", "policy", "total s", "s / step", "bubble", "vs static", "vs sync"):
+        t.add_column(c, justify="right")
+    last = None
+    for w, mode, policy, r in rows:
+        t.add_row(w if w != last else "", mode, policy, f"{r['total_s']:.3f}", f"{r['step_s']:.3f}",
+                  f"{r['bubble']:.3f}", f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-",
+                  f"{r['speedup_vs_sync']:.3f}x" if r.get("speedup_vs_sync") else "-")
+        last = w
+    console.print(t)
+    if summary.get("out"):
+        console.print(f"Gantt charts: {summary['out']}")

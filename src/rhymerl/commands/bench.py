@@ -15,6 +15,8 @@ from rhymerl.bench import e2e_bench, engine_bench, matmul_bench, pipe_bench, spe
 from rhymerl.commands.options import (DEVICE_HELP, MODEL_HELP, DefaultsHelp, check_dtype, number_list, positive_int,
                                       setup)
 from rhymerl.config import DRAFT_RULES
+from rhymerl.errors import UserError
+from rhymerl.histopipe.simulate import MODES
 
 
 def _report(module, summary: dict) -> int:
@@ -49,11 +51,20 @@ def cmd_bench_pipe(args) -> int:
     """`bench pipe`: HistoPipe's schedules, simulated from a trace, then (with --real) timed on real workers."""
     workers = number_list(args.workers, "--workers")
     check_dtype(args.dtype)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise UserError(f"--modes {args.modes}: choose a comma-separated list of {', '.join(MODES)}")
+    if args.run_steps < 0:
+        raise UserError(f"--run-steps {args.run_steps}: must be >= 0")
+    if args.train_s < 0:
+        raise UserError(f"--train-s {args.train_s}: must be >= 0")
     if args.cost_from == "measure" or args.real:
         setup(args)
     summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device, workers, args.slots,
                              args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
-                             args.max_tokens, args.temperature, args.seed, args.ray_workers)
+                             args.max_tokens, args.temperature, args.seed, args.ray_workers, modes=modes,
+                             run_steps=args.run_steps, train_s=args.train_s, out=args.out)
     return _report(pipe_bench, summary)
 
 
@@ -157,6 +168,15 @@ def add_parser(sub) -> None:
     bp.add_argument("--seed", type=int, default=0,
                     help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
                          "seed + 1000, the timed epoch with seed + 2000)")
+    bp.add_argument("--modes", default="sync,one_step_off",
+                    help="rollout modes of the simulated runs of --run-steps steps (sync, one_step_off)")
+    bp.add_argument("--run-steps", type=int, default=4,
+                    help="steps of each simulated run per mode (0: the single sync step only)")
+    bp.add_argument("--train-s", type=float, default=0.0,
+                    help="seconds of each simulated update (0: the workers' bubbles alone)")
+    bp.add_argument("--out", default=None,
+                    help="folder of the Gantt charts, one PNG per worker count up to 64, policy and mode "
+                         "(default: bench-pipe-<UTC time> in the current directory)")
     bp.set_defaults(func=cmd_bench_pipe)
     bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
                          formatter_class=DefaultsHelp)

@@ -10,6 +10,23 @@ from the ones before it (`LengthPredictor`) as a training run would.
 
 Prefill is left out unless `prefill` gives each group's seconds (say `cost_model(prompt_len, 1)`), paid once
 per group when its first request is admitted: its siblings share the prompt's prefill.
+
+`simulate_run` runs several steps in a row, in `rollout.mode` `sync` or `one_step_off` (2026-11-25), each
+step planned by the same `plan` and run by the same `run_worker`. Weights version v is what the update of
+step v-1 produces (version 0: the initial weights); the update of step s starts once step s's rollout has
+fully finished (and the update before it has, the trainer being one), and takes `train_s` seconds.
+
+- `sync`: step t+1 runs on version t: every worker waits for the update of step t;
+- `one_step_off`: step t+1 runs on version t-1, one update behind. A worker may start its step-(t+1) share
+  once (a) it has finished its own step-t share and (b) version t-1 exists, i.e. the update of step t-1 has
+  finished (steps 1 and 2 run on version 0). So a worker that finishes early starts the next step while the
+  others finish theirs and while the trainer updates: its bubble is filled.
+
+Both are one rule, a lag: step t's share on worker w starts at max(w's end of its step t-1 share, the end of
+the update of step t - lag), lag 1 for sync (which implies the whole of step t-1 has finished), 2 for
+one_step_off. In one_step_off, `histopipe` and `oracle` admit as rhymerl's `rollout.admission_order=alternate`
+does: odd steps (numbered from 1) shortest predicted first (each worker's planned order reversed), even steps
+longest first; the baselines keep arrival order, and sync keeps the plan's longest-first order.
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rhymerl.histopipe.batching import Cost, decode_costs, run_worker
+from rhymerl.histopipe.batching import Cost, WorkerRun, decode_costs, run_worker
 from rhymerl.histopipe.plan import plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
 from rhymerl.histopipe.timeline import Timeline
@@ -37,26 +54,46 @@ def simulate(lengths: Sequence[Sequence[int]], num_workers: int, policy: str, *,
 def run_plan(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int]], *, slots: int,
              cost_model: Cost, prefill: Sequence[float] | None = None) -> Timeline:
     """Run a given assignment (per worker, its groups in admission order) on the true `lengths`."""
+    timeline = Timeline(busy=[[] for _ in assignment], finish=[], worker=[], occupancy=[[] for _ in assignment])
+    _append_step(timeline, lengths, assignment, [0.0] * len(assignment), decode_costs(cost_model, slots), slots,
+                 prefill)
+    return timeline
+
+
+def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int]],
+                 ready: Sequence[float], step_cost: Sequence[float], slots: int,
+                 prefill: Sequence[float] | None = None) -> list[float | None]:
+    """Run one step's `assignment` on the true `lengths`, worker w starting at `ready[w]`, and append it to
+    `timeline` (its groups after the ones already there). Returns each worker's end (None: given nothing)."""
     _check_assignment(assignment, len(lengths))
     if prefill is not None and len(prefill) != len(lengths):
         raise ValueError(f"{len(lengths)} groups but {len(prefill)} prefill times")
-    step_cost = decode_costs(cost_model, slots)
-    finish = [[0.0] * len(g) for g in lengths]
-    worker = [-1] * len(lengths)
-    busy: list[list[tuple[float, float]]] = []
-    occupancy: list[list[tuple[float, int]]] = []
+    first = len(timeline.finish)
+    timeline.finish.extend([0.0] * len(g) for g in lengths)
+    timeline.worker.extend([-1] * len(lengths))
+    ends: list[float | None] = []
     for w, groups in enumerate(assignment):
         requests = [(g, i) for g in groups for i in range(len(lengths[g]))]
+        if not requests:
+            ends.append(None)
+            continue
         pay = None if prefill is None else [prefill[g] if i == 0 else 0.0 for g, i in requests]
-        run = run_worker([lengths[g][i] for g, i in requests], slots, step_cost, pay)
+        run: WorkerRun = run_worker([lengths[g][i] for g, i in requests], slots, step_cost, pay)
+        at = ready[w]
         for (g, i), t in zip(requests, run.finish):
-            finish[g][i] = t
+            timeline.finish[first + g][i] = at + t
         for g in groups:
-            worker[g] = w
-        # Continuous batching never idles while work is queued: one busy interval, from 0 to the last finish.
-        busy.append([(0.0, run.end)] if requests else [])
-        occupancy.append(run.occupancy if requests else [])
-    return Timeline(busy=busy, finish=finish, worker=worker, occupancy=occupancy)
+            timeline.worker[first + g] = w
+        # Continuous batching never idles while work is queued: one busy interval per step, from its start to
+        # its last finish, merged with the previous step's when the worker went on without a pause.
+        busy = timeline.busy[w]
+        if busy and busy[-1][1] >= at:
+            busy[-1] = (busy[-1][0], at + run.end)
+        else:
+            busy.append((at, at + run.end))
+        timeline.occupancy[w].extend((at + t, n) for t, n in run.occupancy)
+        ends.append(at + run.end)
+    return ends
 
 
 def _check_assignment(assignment: Sequence[Sequence[int]], num_groups: int) -> None:
@@ -98,3 +135,63 @@ def simulate_steps(steps: Sequence[Sequence[tuple[str, Sequence[int]]]], num_wor
             predictor.record(key, ls)
         out.append(SimulatedStep(timeline, predicted, ranking))
     return out
+
+
+MODES = ("sync", "one_step_off")
+_LAG = {"sync": 1, "one_step_off": 2}  # step t waits for the update of step t - lag (see the module doc)
+
+
+@dataclass
+class SimulatedRun:
+    """A run of steps (`simulate_run`): one timeline over the whole run (step t's groups after step t-1's),
+    each step's rollout (start, end), each step's update (start, end), and `total`, when the last update
+    ends: the run's wall time. Mean time per step: `total / len(rollouts)`."""
+
+    timeline: Timeline
+    rollouts: list[tuple[float, float]]
+    updates: list[tuple[float, float]]
+
+    @property
+    def total(self) -> float:
+        return self.updates[-1][1] if self.updates else 0.0
+
+
+def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, policy: str, *, mode: str = "sync",
+                 slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
+                 train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
+                 **plan_kwargs) -> SimulatedRun:
+    """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
+    (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
+    update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
+    plan when already made by `plan` for `policy` (a bench running several modes plans once)."""
+    if mode not in _LAG:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if train_s < 0:
+        raise ValueError(f"train_s must be >= 0, got {train_s}")
+    for name, given in (("predictions", predicted), ("assignments", assignments)):
+        if given is not None and len(given) != len(steps):
+            raise ValueError(f"{len(steps)} steps but {len(given)} lists of {name}")
+    step_cost = decode_costs(cost_model, slots)
+    timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],
+                        occupancy=[[] for _ in range(num_workers)])
+    worker_end = [0.0] * num_workers
+    rollouts: list[tuple[float, float]] = []
+    updates: list[tuple[float, float]] = []
+    for t, lengths in enumerate(steps, start=1):
+        assignment = [list(gs) for gs in assignments[t - 1]] if assignments is not None else plan(
+            [len(g) for g in lengths], num_workers, policy, None if predicted is None else predicted[t - 1],
+            cost_model, slots=slots, true_lengths=lengths if policy == "oracle" else None, **plan_kwargs)
+        if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
+            assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
+        k = t - _LAG[mode]  # the update whose weights this step runs on (none before step 1)
+        weights = updates[k - 1][1] if k >= 1 else 0.0
+        ready = [max(end, weights) for end in worker_end]
+        ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots)
+        done = [e for e in ends if e is not None]
+        start = min((r for r, e in zip(ready, ends) if e is not None), default=max(ready))
+        end = max(done, default=start)
+        worker_end = [old if e is None else e for old, e in zip(worker_end, ends)]
+        rollouts.append((start, end))
+        begin = max(end, updates[-1][1] if updates else 0.0)  # one trainer: updates in turn
+        updates.append((begin, begin + train_s))
+    return SimulatedRun(timeline, rollouts, updates)
