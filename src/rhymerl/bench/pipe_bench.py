@@ -246,9 +246,9 @@ def write_gantt(path: Path, run, title: str) -> None:
 
 
 def default_out_dir() -> Path:
-    """Where the bench writes its charts unless told: `bench-pipe-<UTC time>` under the current directory,
-    as one run's folder that a second run does not overwrite."""
-    return Path.cwd() / time.strftime("bench-pipe-%Y%m%dT%H%M%SZ", time.gmtime())
+    """Where the bench writes its charts unless told: `runs/bench-pipe-<UTC time>`, beside `rhymerl train`'s
+    run folders, one per run, so that a second run does not overwrite the first."""
+    return Path("runs") / time.strftime("bench-pipe-%Y%m%dT%H%M%SZ", time.gmtime())
 
 
 # ------------------------------------------------------------------------------------------- the bench

@@ -176,7 +176,7 @@ def add_parser(sub) -> None:
                     help="seconds of each simulated update (0: the workers' bubbles alone)")
     bp.add_argument("--out", default=None,
                     help="folder of the Gantt charts, one PNG per worker count up to 64, policy and mode "
-                         "(default: bench-pipe-<UTC time> in the current directory)")
+                         "(default: runs/bench-pipe-<UTC time>)")
     bp.set_defaults(func=cmd_bench_pipe)
     bm = bsub.add_parser("matmul", help="one forward's bf16 matmuls: AMX tiles vs oneDNN (CPUs with AMX)",
                          formatter_class=DefaultsHelp)
