@@ -1,22 +1,19 @@
-"""The RL loop (DESIGN 1-2): for each step, prompts -> rollout (a `rhymerl.rollout` pool) -> rewards ->
-advantages -> update -> weight sync -> history record; validation every `val.every` steps; checkpoints every
-`run.save_every`. The loop owns the history store (the truth, checkpointed) and talks to rollout workers
-only through the pool: it never touches an engine.
+"""The RL loop (DESIGN 1-2): per step, prompts -> rollout (a `rhymerl.rollout` pool) -> rewards -> advantages
+-> update -> weight sync -> history record; validation every `val.every` steps, checkpoints every
+`run.save_every`. The loop owns the history store (the truth, checkpointed) and reaches rollout workers only
+through the pool, never an engine.
 
-The run is a pure function of its config and seed: the prompts of step t come from a permutation keyed by
-(seed, epoch), and every sampled token from keyed randomness (seed, request id, position) with request ids
-made of (step, prompt, generation). So a run resumed from a checkpoint repeats exactly what the
-uninterrupted run would have done, and HistoSpec on or off gives the same rollouts (up to bf16 rounding).
+The run is a pure function of config and seed: step t's prompts come from a permutation keyed by (seed,
+epoch), every sampled token from randomness keyed by (seed, request id, position), a request id being
+(step, prompt, generation); so a resumed run repeats the uninterrupted one exactly, and HistoSpec on or off
+gives the same rollouts (up to bf16 rounding).
 
-`rollout.mode=one_step_off` (Ray workers): right after step t's rollout returned and the history recorded it,
-a driver thread starts step t+1's rollout on the workers, on the weights step t trains from, while the driver
-scores and trains step t; the driver joins it before loading the weights of version t+1, so a weight load
-never races a rollout. Step t+1's tokens are still a function of (seed, request ids, weights version t).
-The first step, and the step after each checkpoint, roll out synchronously (`rl/background_rollout.py`).
+`rollout.mode=one_step_off` (Ray workers): once step t's rollout is recorded, a driver thread rolls out t+1
+on the weights step t trains from, joined before weights t+1 load (a weight load never races a rollout); the
+first step, and the one after each checkpoint, roll out synchronously (`rl/background_rollout.py`).
 
-`train.filter_groups` (DAPO's dynamic sampling, `rl/filtering.py`): a step rolls out further batches of
-prompts until it holds prompts_per_step groups whose rewards are not all equal; the data position then runs
-ahead of the step and is checkpointed. It needs rollout.mode=sync.
+`train.filter_groups` (DAPO's dynamic sampling, `rl/filtering.py`; sync only): a step draws batches until it
+holds prompts_per_step groups of unequal rewards; the data position, then ahead of the step, is checkpointed.
 """
 
 from __future__ import annotations
@@ -30,46 +27,28 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config, save_config
+from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.trace import TraceWriter
 from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.metrics import MetricsLogger, read_metrics
-from rhymerl.model.capacity import check_context
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.model.pretrained import parse_dtype, resolve_dtype
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
-from rhymerl.rl.checkpoint import (CheckpointError, check_checkpoint, latest_checkpoint, load_checkpoint,
-                                  read_spec_state, save_checkpoint, set_rng_state)
+from rhymerl.rl.checkpoint import latest_checkpoint, save_checkpoint
+from rhymerl.rl.resume import check_resume, check_resume_dir, restore_training, resume_spec_state
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.background_rollout import BackgroundRollout
 from rhymerl.rl.filtering import GroupFilter
 from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
-from rhymerl.rl.step_metrics import batch_metrics, length_report, merged, rollout_metrics
+from rhymerl.rl.run_settings import run_dtypes, worker_config
+from rhymerl.rl.step_metrics import group_metrics, length_report, merged, rollout_metrics, val_metrics
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
-from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams, WorkerConfig
+from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams
 from rhymerl.rollout.factory import make_pool
 from rhymerl.rollout.timeline import append_timeline
-
-
-def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
-    """What the rollout and the update compute in, {"rollout": ..., "train": ...}: a dtype the config names
-    as it is; "auto" as the run resolved it when it started (`saved`, from its checkpoint), else as
-    `resolve_dtype` decides for `device`. So a run resumed on another kind of machine (bf16 native on one,
-    not on the other) keeps its numerics instead of changing recipe halfway; it says so, because it may run
-    slower there. An explicit override (`rollout.dtype=fp32` with --resume) switches."""
-    out = {}
-    for part, name in (("rollout", cfg.rollout.dtype), ("train", cfg.train.dtype)):
-        here = resolve_dtype(name, device)
-        kept = (saved or {}).get(part) if name == "auto" else None
-        if kept and kept != here:
-            print(f"[model] {part}.dtype=auto: keeping {kept}, which this run started with ({here} would be "
-                  f"the choice on this {device}; set {part}.dtype={here} to switch)", file=sys.stderr)
-        out[part] = kept or here
-    return out
 
 
 class TrainingRun:
@@ -84,13 +63,7 @@ class TrainingRun:
                             Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
-        # Checked before anything loads from it (a bad file is named, not met as a parser's traceback later).
-        ckpt_state = check_checkpoint(ckpt) if ckpt is not None else None
-        if ckpt_state is not None and cfg.train.total_steps < ckpt_state["step"]:
-            raise ConfigError(f"train.total_steps={cfg.train.total_steps} is below the step of the checkpoint to "
-                              f"resume from ({ckpt}: step {ckpt_state['step']}): set train.total_steps="
-                              f"{ckpt_state['step']} or more")
-        self.start_step = 0
+        ckpt_state = check_resume(ckpt, cfg.train.total_steps) if ckpt is not None else None
 
         # ---- model: fp32 master weights for the trainer (each rollout worker keeps a copy in its dtype) ----
         self.model_dir = resolve_model_dir(cfg.model.name)
@@ -99,32 +72,16 @@ class TrainingRun:
         # With LoRA the checkpoint's merged weights cannot be split back into base + adapter, so a LoRA run
         # restarts from the base model and reloads its adapter (and base) from trainer.pt below.
         self.model = load_decoder(ckpt if ckpt and not lora else self.model_dir, torch.float32, device).train()
-        self.ref_model = None
-        if cfg.train.beta > 0:  # the reference is the initial policy: only loaded when the KL term is on
-            self.ref_model = load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
+        self.ref_model = (load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
+                          if cfg.train.beta > 0 else None)  # the initial policy: loaded only for the KL term
         self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
         print(f"[model] {self.model_dir.name} on {device}: rollout in {self.dtypes['rollout']}, update in "
               f"{self.dtypes['train']} (rollout.dtype={cfg.rollout.dtype}, train.dtype={cfg.train.dtype})",
               file=sys.stderr)
         # ---- rollout: a pool of workers, each with its own copy of the policy in the rollout dtype ----
         self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)  # the truth, checkpointed
-        max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
-        check_context(self.model_dir, max_model_len=max_len - 1, num_slots=cfg.rollout.num_slots,
-                      dtype=parse_dtype(self.dtypes["rollout"], device), device=device, slots_key="rollout.num_slots",
-                      key=f"data.max_prompt_length ({cfg.data.max_prompt_length}) + the longest "
-                          f"rollout/val.max_completion_length ({max_len - 1 - cfg.data.max_prompt_length})")
-        worker = WorkerConfig(num_slots=cfg.rollout.num_slots, max_model_len=max_len, dtype=self.dtypes["rollout"],
-                              speculative=cfg.rollout.speculative, max_draft_tokens=cfg.rollout.max_draft_tokens,
-                              draft_rule=cfg.rollout.draft_rule, history_rollouts=cfg.rollout.history_rollouts,
-                              admission=cfg.rollout.admission_order,
-                              reward_aware_drafting=cfg.rollout.reward_aware_drafting)
-        # HistoSpec's learned state (checkpointed): a resumed worker reuses the saved cost model rather than
-        # measuring a new one, and then takes the calibration, correction ratios and idle counters too.
-        spec_states = read_spec_state(ckpt) if ckpt is not None else None
-        if cost_model is not None and spec_states:  # a cost model given here wins over the saved one
-            spec_states = [s and {k: v for k, v in s.items() if k not in ("cost", "correct_cost")} for s in spec_states]
-        elif spec_states and spec_states[0] is not None and "cost" in spec_states[0]:
-            cost_model = CostModel.from_dict(spec_states[0]["cost"])
+        worker = worker_config(cfg, self.model_dir, self.dtypes["rollout"], device)
+        spec_states, cost_model = resume_spec_state(ckpt, cost_model)  # HistoSpec's learned state, checkpointed
         self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
                               cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
@@ -132,11 +89,8 @@ class TrainingRun:
                               migration=cfg.rollout.migration)
         if lora:
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
-
-        # ---- data ----
+        # ---- data, trainer, rewards ----
         self.train_prompts, self.val_prompts, self.data_notes = load_prompts(cfg, self.tokenizer, cfg.run.seed)
-
-        # ---- trainer, rewards ----
         # one_step_off trains on samples of the weights one update older: truncated importance sampling
         # corrects for that stale behaviour policy; in sync mode there is none to correct (see rl/trainer.py)
         one_step_off = cfg.rollout.mode == "one_step_off"
@@ -146,28 +100,11 @@ class TrainingRun:
         # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray)
         self.ahead = BackgroundRollout(one_step_off, cfg.train.total_steps, cfg.run.save_every)
         self.scorer = RewardScorer.from_config(cfg.reward, cfg.rollout.max_completion_length)
-        self.reward_errors = 0
+        self.start_step, self.reward_errors = 0, 0
         self.data_pos = 0  # batches of prompts drawn so far: the step, unless dynamic sampling drew more
-
         if ckpt is not None:
-            state, trainer_state, history_state = load_checkpoint(ckpt)
-            try:  # a trainer state of another model or optimizer (e.g. model.lora_r changed by an override)
-                if lora:
-                    self.model.load_state_dict(trainer_state["lora_model"])
-                self.trainer.load_state_dict(trainer_state)
-                set_rng_state(trainer_state["rng"])
-            except (KeyError, ValueError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"{ckpt / 'trainer.pt'}: does not fit this run's model and optimizer "
-                                      f"({type(e).__name__}: {str(e)[:200]}); was a model.* or train.* key changed "
-                                      f"by an override on --resume?") from None
-            if history_state is not None:
-                try:
-                    self.history.load_state_dict(history_state)
-                except (KeyError, ValueError, TypeError) as e:
-                    raise CheckpointError(f"{ckpt / 'history.json'}: not a history rhymerl wrote "
-                                          f"({type(e).__name__}: {str(e)[:200]})") from None
-            self.start_step = state["step"]
-            self.reward_errors = state.get("reward_errors", 0)
+            state = restore_training(ckpt, self.trainer, self.history, lora_model=self.model if lora else None)
+            self.start_step, self.reward_errors = state["step"], state.get("reward_errors", 0)
             self.data_pos = state.get("data_pos", self.start_step)
             self.pool.load_weights(merged_parameters(self.model), version=self.start_step)
             if spec_states:
@@ -185,15 +122,8 @@ class TrainingRun:
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] = (), **kw) -> "TrainingRun":
         """Continue the run in `run_dir` from its latest checkpoint, with its saved config (+ overrides)."""
-        run_dir = Path(run_dir)
-        if not run_dir.is_dir():
-            raise CheckpointError(f"--resume {run_dir}: no such run directory")
-        if latest_checkpoint(run_dir) is None:
-            raise CheckpointError(f"--resume {run_dir}: no checkpoint in {run_dir / 'checkpoints'} (a run saves "
-                                  f"one every run.save_every steps and at its end)")
-        return cls(load_config(run_dir / "config.yaml", overrides), resume_dir=run_dir, **kw)
+        return cls(load_config(check_resume_dir(run_dir) / "config.yaml", overrides), resume_dir=run_dir, **kw)
 
-    # ---- one step ---------------------------------------------------------------------------------
     def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str,
                  step: int | None = None) -> RolloutResult:
         """n responses per prompt; request ids (the keys of the random draws) are tag, prompt and generation.
@@ -218,9 +148,8 @@ class TrainingRun:
                               max_tokens=r.max_completion_length, seed=self.cfg.run.seed)
 
     def _draw(self, step: int, k: int) -> tuple[list[Prompt], RolloutResult, RewardBatch]:
-        """Step `step`'s k-th rollout (k > 0 only with dynamic sampling) of the next batch of prompts, scored.
-        Its request ids are train-s{step} (k = 0) or train-s{step}-d{k}. The first may have run in the
-        background (one_step_off)."""
+        """Step `step`'s k-th rollout (k > 0: dynamic sampling) of the next batch of prompts, scored; request ids
+        train-s{step} (k = 0) or train-s{step}-d{k}. The first may have run in the background (one_step_off)."""
         prompts = self._prompts_at(self.data_pos)
         self.data_pos += 1
         G = self.cfg.rollout.num_generations
@@ -242,15 +171,14 @@ class TrainingRun:
         return prompts, result, scored
 
     def train_step(self, step: int) -> dict:
-        """Run step `step` (0-based) and return its metrics: rollout (with `train.filter_groups`, more
-        rollouts until prompts_per_step groups with unequal rewards are kept, DAPO's dynamic sampling),
-        rewards, advantages, update, weight sync. In one_step_off the rollout ran in the background during the
-        previous step's update (or runs now: the first step, the one after a checkpoint), and the next step's
-        starts once this one's history is recorded."""
+        """Run step `step` (0-based) and return its metrics: rollout (with `train.filter_groups`, more until
+        prompts_per_step groups with unequal rewards are kept), rewards, advantages, update, weight sync. In
+        one_step_off the rollout ran during the previous step's update (or runs now: the first step, the one
+        after a checkpoint), and the next step's starts once this one's history is recorded."""
         cfg, G = self.cfg, self.cfg.rollout.num_generations
         t0, self.reward_s = time.perf_counter(), 0.0  # reward_s: scoring time, summed by _draw
         kept = GroupFilter(cfg.train.prompts_per_step, G, cfg.train.max_num_gen_batches)
-        results, length_report, traced, errors, timeouts = [], {}, [], 0, 0
+        results, rhyme, traced, errors, timeouts = [], {}, [], 0, 0  # rhyme: the step's `length_report`
         while True:
             prompts, result, scored = self._draw(step, len(results))
             results.append(result)
@@ -259,8 +187,8 @@ class TrainingRun:
                        scored.correct[i * G:(i + 1) * G], scored.formatted[i * G:(i + 1) * G])
                       for i, p in enumerate(prompts)]
             lengths = [[len(o.token_ids) for o in outs] for _, outs, *_ in groups]
-            if not length_report:  # before the history learns this step
-                length_report = self._length_report([p.ids for p in prompts], lengths)
+            if not rhyme:  # before the history learns this step
+                rhyme = length_report(self.history, [p.ids for p in prompts], lengths)
             traced += [(prompt_key(p.ids), ls) for p, ls in zip(prompts, lengths)]
             for p, outs, rewards, *_ in groups:  # the history store drafts next epoch's rollouts of these prompts
                 self.pool.record(p.ids, [o.token_ids for o in outs], rewards)
@@ -270,8 +198,7 @@ class TrainingRun:
             kept.add(groups, scored.rewards)
             if not kept.wants_more():
                 break
-        # dynamic sampling found no group with unequal rewards: the last draw's (zero advantages, no change)
-        train_groups = kept.kept or groups
+        train_groups = kept.kept or groups  # no group of unequal rewards: the last draw's (zero advantages)
         result = merged(results)
         self.trace.write(step + 1, traced)
         append_timeline(self.run_dir, step + 1, result)  # RUN_DIR/timeline.jsonl (resumed runs: see its doc)
@@ -281,8 +208,7 @@ class TrainingRun:
         t1 = time.perf_counter()
         rewards = torch.tensor([x for g in train_groups for x in g[2]], dtype=torch.float32)  # [P*G]
         adv, adv_stats = grpo_advantages(rewards, G, cfg.train.scale_rewards)  # [P*G]
-        temperature = cfg.rollout.temperature
-        samples = [Sample(p.ids, o.token_ids, o.logprobs, a, temperature=temperature)
+        samples = [Sample(p.ids, o.token_ids, o.logprobs, a, temperature=cfg.rollout.temperature)
                    for (p, outs, *_), a_group in zip(train_groups, adv.view(-1, G).tolist())
                    for o, a in zip(outs, a_group)]
         with deterministic_algorithms():
@@ -293,20 +219,15 @@ class TrainingRun:
         t3 = time.perf_counter()
         self.pool.load_weights(merged_parameters(self.model), version=step + 1)
         t4 = time.perf_counter()
-
-        outs = [o for _, g, *_ in train_groups for o in g]
-        metrics |= batch_metrics(rewards, [c for g in train_groups for c in g[3]],
-                                 [f for g in train_groups for f in g[4]], adv, [len(o.token_ids) for o in outs],
-                                 [o.finish_reason == "length" for o in outs], [len(g[0].ids) for g in train_groups])
-        metrics |= {
+        metrics |= group_metrics(train_groups, rewards, adv) | {
             "critic/zero_std_frac": adv_stats["zero_std_frac"],
             "reward/errors": errors, "reward/errors_total": self.reward_errors, "reward/timeouts": timeouts,
             "epoch": ((self.data_pos - 1) * cfg.train.prompts_per_step) // len(self.train_prompts),
             "history/tokens": self.history.size().get("tokens", 0),
             # 0 in sync mode; 1 in one_step_off for a step rolled out on the weights before the last update
             "rollout/staleness": step - results[0].weights_version,
-            # the driver's time in each phase, adding up to the step: a rollout run in the background during the
-            # previous step counts only as that step's rollout_wait (one_step_off), not as this one's rollout
+            # the driver's time per phase, adding up to the step: a rollout run in the background during the
+            # previous step counts as that step's rollout_wait (one_step_off), not as this one's rollout
             "timing_s/rollout": t1 - t0 - self.reward_s, "timing_s/reward": self.reward_s,
             "timing_s/update": t2 - t1, "timing_s/sync": t4 - t3,
         }
@@ -314,12 +235,9 @@ class TrainingRun:
             metrics |= kept.metrics()
         if self.ahead.enabled:  # how long the driver waited for the next step's rollout
             metrics["timing_s/rollout_wait"] = waited
-        metrics |= scored.metrics() | rollout_metrics("rollout", result) | length_report
+        metrics |= scored.metrics() | rollout_metrics("rollout", result) | rhyme
         metrics["reward/timeouts"] = timeouts  # over every draw of the step (scored.metrics has the last one's)
         return metrics
-
-    def _length_report(self, prompt_ids: list[list[int]], group_lengths: list[list[int]]) -> dict:
-        return length_report(self.history, prompt_ids, group_lengths)
 
     def validate(self, step: int) -> dict:
         """Held-out prompts, one response each at `val.temperature` (greedy by default), HistoSpec as in rollout."""
@@ -329,14 +247,10 @@ class TrainingRun:
         v = self.cfg.val
         params = SamplingParams(temperature=v.temperature, max_tokens=v.max_completion_length, seed=self.cfg.run.seed)
         result = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
-        outs = result.outputs
-        scored = self.scorer.score([o.text for o in outs], [p.example for p in self.val_prompts])
-        for p, o, rew in zip(self.val_prompts, outs, scored.rewards):
+        scored = self.scorer.score([o.text for o in result.outputs], [p.example for p in self.val_prompts])
+        for p, o, rew in zip(self.val_prompts, result.outputs, scored.rewards):
             self.pool.record(p.ids, [o.token_ids], [rew])
-        m = {"val/accuracy": sum(scored.correct) / len(outs), "val/reward/mean": sum(scored.rewards) / len(outs),
-             "val/response_length/mean": sum(len(o.token_ids) for o in outs) / len(outs),
-             "val/reward_errors": scored.errors}
-        m |= scored.metrics("val") | rollout_metrics("val", result)
+        m = val_metrics(scored, result)
         m["timing_s/val"] = time.perf_counter() - t0
         return m
 
@@ -348,14 +262,14 @@ class TrainingRun:
         return save_checkpoint(
             self.run_dir, step, hf_weights=to_hf_state_dict(self.model, merged_parameters(self.model)),
             model_dir=self.model_dir, trainer_state=trainer_state, history_state=self.history.state_dict(),
-            state={"reward_errors": self.reward_errors, "data_pos": self.data_pos, "config": config_to_dict(self.cfg), "dtypes": self.dtypes,
+            state={"reward_errors": self.reward_errors, "data_pos": self.data_pos, "config": config_to_dict(self.cfg),
+                   "dtypes": self.dtypes,
                    "metrics": {k: v if isinstance(v, str) else float(v) for k, v in (metrics or {}).items()}},
             keep=self.cfg.run.keep_checkpoints, spec_state=self.pool.spec_state())
 
     def run(self) -> Path:
         """Train from `start_step` to `train.total_steps`; returns the run directory."""
-        cfg = self.cfg
-        total = cfg.train.total_steps
+        cfg, total = self.cfg, self.cfg.train.total_steps
         bar = tqdm(total=total, initial=self.start_step, desc="train", unit="step", disable=not cfg.run.progress,
                    dynamic_ncols=True)
         try:

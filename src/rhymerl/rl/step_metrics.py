@@ -1,6 +1,6 @@
 """What a training step logs about its rollout and its batch (verl's metric names), as pure functions of
 the step's results: `rollout_metrics` (engine, HistoSpec, timeline), `length_report` (HistoPipe's premise,
-"lengths rhyme") and `batch_metrics` (rewards, advantages, lengths)."""
+"lengths rhyme"), `batch_metrics` / `group_metrics` (rewards, advantages, lengths) and `val_metrics`."""
 
 from __future__ import annotations
 
@@ -79,3 +79,20 @@ def batch_metrics(rewards: torch.Tensor, correct: Sequence[float], formatted: Se
         "response_length/min": ls.min().item(), "response_length/clip_ratio": sum(clipped) / n,
         "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
     }
+
+
+def group_metrics(groups: Sequence[tuple], rewards: torch.Tensor, adv: torch.Tensor) -> dict:
+    """`batch_metrics` of the groups a step trains on, each (prompt, outputs, rewards, correct, formatted)."""
+    outs = [o for _, g, *_ in groups for o in g]
+    return batch_metrics(rewards, [c for g in groups for c in g[3]], [f for g in groups for f in g[4]], adv,
+                         [len(o.token_ids) for o in outs], [o.finish_reason == "length" for o in outs],
+                         [len(g[0].ids) for g in groups])
+
+
+def val_metrics(scored, result: RolloutResult) -> dict:
+    """val/ metrics of a validation rollout (one response per prompt) and its `RewardBatch` `scored`."""
+    outs = result.outputs
+    m = {"val/accuracy": sum(scored.correct) / len(outs), "val/reward/mean": sum(scored.rewards) / len(outs),
+         "val/response_length/mean": sum(len(o.token_ids) for o in outs) / len(outs),
+         "val/reward_errors": scored.errors}
+    return m | scored.metrics("val") | rollout_metrics("val", result)

@@ -1,0 +1,45 @@
+"""The settings a training run derives from its config and its machine, before it builds anything: the
+dtypes it computes in (`run_dtypes`) and its rollout workers' config (`worker_config`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rhymerl.config import TrainConfig
+from rhymerl.model.capacity import check_context
+from rhymerl.model.pretrained import parse_dtype, resolve_dtype
+from rhymerl.rollout import WorkerConfig
+
+
+def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict[str, str]:
+    """What the rollout and the update compute in, {"rollout": ..., "train": ...}: a dtype the config names
+    as it is; "auto" as the run resolved it when it started (`saved`, from its checkpoint), else as
+    `resolve_dtype` decides for `device`. So a run resumed on another kind of machine (bf16 native on one,
+    not on the other) keeps its numerics instead of changing recipe halfway; it says so, because it may run
+    slower there. An explicit override (`rollout.dtype=fp32` with --resume) switches."""
+    out = {}
+    for part, name in (("rollout", cfg.rollout.dtype), ("train", cfg.train.dtype)):
+        here = resolve_dtype(name, device)
+        kept = (saved or {}).get(part) if name == "auto" else None
+        if kept and kept != here:
+            print(f"[model] {part}.dtype=auto: keeping {kept}, which this run started with ({here} would be "
+                  f"the choice on this {device}; set {part}.dtype={here} to switch)", file=sys.stderr)
+        out[part] = kept or here
+    return out
+
+
+def worker_config(cfg: TrainConfig, model_dir: Path, dtype: str, device: str) -> WorkerConfig:
+    """Each rollout worker's config, its context long enough for a prompt plus the longer of the rollout's
+    and validation's completions; `check_context` first, so a context the device cannot hold is named by the
+    keys that set it rather than met as an out-of-memory error mid-run."""
+    max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
+    check_context(model_dir, max_model_len=max_len - 1, num_slots=cfg.rollout.num_slots,
+                  dtype=parse_dtype(dtype, device), device=device, slots_key="rollout.num_slots",
+                  key=f"data.max_prompt_length ({cfg.data.max_prompt_length}) + the longest "
+                      f"rollout/val.max_completion_length ({max_len - 1 - cfg.data.max_prompt_length})")
+    r = cfg.rollout
+    return WorkerConfig(num_slots=r.num_slots, max_model_len=max_len, dtype=dtype, speculative=r.speculative,
+                        max_draft_tokens=r.max_draft_tokens, draft_rule=r.draft_rule,
+                        history_rollouts=r.history_rollouts, admission=r.admission_order,
+                        reward_aware_drafting=r.reward_aware_drafting)
