@@ -1,0 +1,205 @@
+"""`rhymerl bench pipe`, part (a): HistoPipe's schedules simulated from a length trace (`simulate_trace`;
+the bench itself, and part (b) on real workers, are `rhymerl.bench.pipe_bench`).
+
+The inputs: a length trace (`RUN_DIR/lengths.jsonl`, written by every `rhymerl train` run; by default the
+one shipped with the package, `pipe_bench.DEFAULT_TRACE`) and a cost model (measured on the model at
+start-up, as an engine does, or read from a `CostModel.as_dict()` JSON file). For each worker count W,
+one sync-mode step of W workers x `slots` slots draws its groups from the trace, cycling through its steps
+and prompts with their recorded lengths until the workers' slots are full. Each drawn group's predicted
+length is what a real run would have known when it ran that step: a `LengthPredictor` that has recorded
+the trace's earlier steps. The draws start at the trace's first step where some prompt has a history (its
+second epoch), so that the predictions are history's and not the prior's, unless no step has one; the
+step's arrival order is shuffled (seeded), as a training run's sampler hands out prompts. Every
+policy (`plan.POLICIES`) runs the same groups through `simulate`; per policy the makespan over the lower
+bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for `histopipe` its
+share of `oracle` (oracle makespan / histopipe makespan).
+
+Then runs of `run_steps` such steps in a row (2026-11-25; `simulate_run`), step 1 the step above and each
+next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
+`train_s` seconds (default 0: the trainer is not part of this bench; then one_step_off's gain is the
+workers' bubbles alone). Each step is planned once and run in both modes. Per policy and mode: the run's
+wall time (`total_s`, up to its last update), the mean time per step (`step_s` = total / steps), the bubble
+ratio over the whole run, the speed-up over `static` and, in one_step_off, over the same policy in sync.
+With `gantt_dir`, one Gantt chart per worker count (up to 64), policy and mode: `gantt_W_POLICY_MODE.png`.
+
+The JSON's "sim" holds, per worker count, the step's figures per policy as before and, under "modes", the
+runs': `{"sim": {"64": {"groups": ..., "static": {"makespan_over_lb": ..., "bubble": ...}, ...,
+"modes": {"sync": {"static": {"step_s": ..., "bubble": ...}, ...}, "one_step_off": {...}}}}}`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rhymerl.bench.pipe_real import log, rounded
+from rhymerl.cost_model import CostModel
+from rhymerl.errors import UserError
+from rhymerl.histopipe.metrics import bubble_ratio
+from rhymerl.histopipe.metrics import summary as step_summary
+from rhymerl.histopipe.plan import POLICIES, plan
+from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
+from rhymerl.histopipe.simulate import MODES, run_plan, simulate_run
+from rhymerl.histopipe.trace import read_trace
+
+DEFAULT_WORKERS = (8, 64, 1024)
+GANTT_MAX_WORKERS = 64  # more bands than this are no longer legible
+
+
+def trace_draws(steps: Sequence[dict]) -> tuple[list[tuple[str, list[int], float, bool]], int]:
+    """Every group of the trace as (prompt key, its recorded lengths, its predicted length, whether its
+    prompt had a history), in trace order from the first step where some prompt had one (see the module
+    doc), and that step's index. A prompt's prediction is a `LengthPredictor` on the steps before its own."""
+    predictor = LengthPredictor()
+    draws, first = [], None
+    for t, row in enumerate(steps):
+        groups = [(g["prompt"], [int(n) for n in g["lengths"]]) for g in row["groups"] if g["lengths"]]
+        known = [key in predictor for key, _ in groups]
+        predicted = predictor.predict_many([key for key, _ in groups])
+        if first is None and any(known):
+            first = t
+        for (key, lengths), p, k in zip(groups, predicted, known):
+            draws.append((key, lengths, p, k, t))
+        for key, lengths in groups:
+            predictor.record(key, lengths)
+    start = 0 if first is None else first
+    out = [(key, lengths, p, k) for key, lengths, p, k, t in draws if t >= start]
+    if not out:
+        raise UserError("the trace holds no group with recorded lengths")
+    return out, start
+
+
+def read_checked_trace(trace: str | Path) -> list[dict]:
+    """The steps of a trace (`read_trace`), checked as the simulation reads them: UserError naming `--trace`
+    for a trace that is not UTF-8, empty, or not steps of groups with recorded lengths."""
+    try:
+        steps = read_trace(trace)
+    except UnicodeDecodeError as e:
+        raise UserError(f"--trace {trace}: not UTF-8 text ({e.reason} at byte {e.start}); a trace is a run's "
+                        f"lengths.jsonl") from None
+    if not steps:
+        raise UserError(f"--trace {trace}: an empty trace (no step); a trace is a run's lengths.jsonl")
+    try:
+        trace_draws(steps)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # ValueError: UserError and int() alike
+        why = str(e) if isinstance(e, UserError) else f"not a length trace ({type(e).__name__}: {e})"
+        raise UserError(f"--trace {trace}: {why}; each line is {{\"step\": N, \"groups\": [{{\"prompt\": KEY, "
+                        f"\"lengths\": [...]}}, ...]}}") from None
+    return steps
+
+
+def draw_step(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, seed: int | None = 0,
+              start: int = 0):
+    """Groups cycled from `draws`, from the cycle's position `start`, until they hold at least `requests`
+    requests: (lengths, predicted, with-history flags), in an arrival order shuffled by `seed` (None: the
+    cycle's order).
+
+    A training run's sampler hands a step its prompts in random order. The cycle's order would not do for
+    the baselines, which split by arrival order: when the cycle's period and the worker count share a
+    factor, a round robin puts every copy of a prompt on the same worker."""
+    picked, held, i = [], 0, start
+    while held < requests:
+        picked.append(draws[i % len(draws)])
+        held += len(picked[-1][1])
+        i += 1
+    if seed is not None:
+        random.Random(seed).shuffle(picked)
+    return [list(d[1]) for d in picked], [d[2] for d in picked], [d[3] for d in picked]
+
+
+def draw_steps(draws: Sequence[tuple[str, list[int], float, bool]], requests: int, count: int,
+               seed: int | None = 0) -> list[tuple[list[list[int]], list[float]]]:
+    """`count` consecutive steps of `draw_step` (each from where the one before left the cycle; step k's
+    order shuffled by seed + k), as (lengths, predicted): the first is `draw_step(draws, requests, seed)`."""
+    out, start = [], 0
+    for k in range(count):
+        lengths, predicted, _ = draw_step(draws, requests, None if seed is None else seed + k, start)
+        out.append((lengths, predicted))
+        start += len(lengths)
+    return out
+
+
+def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[int] = DEFAULT_WORKERS,
+                   slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0,
+                   modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
+                   gantt_dir: str | Path | None = None) -> dict:
+    """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures, and under
+    "modes" the runs' (see the module doc); `seed` shuffles each step's arrival order (`draw_step`); with
+    `gantt_dir`, the Gantt charts (created if missing). A trace it cannot read: UserError (`read_checked_trace`)."""
+    steps = read_checked_trace(trace)
+    draws, first = trace_draws(steps)
+    known = [i for i, d in enumerate(draws) if d[3]]
+    stat = LengthPredictor().statistic
+    ranking = rank_report([draws[i][2] for i in known], [summarise(draws[i][1], stat) for i in known]) \
+        if len(known) >= 2 else None
+    out = {"trace_steps": len(steps), "seed": seed, "draws_from_step": first, "trace_groups": len(draws),
+           "groups_with_history": len(known),
+           "rank_corr": None if ranking is None or math.isnan(ranking["rank_corr"]) else round(ranking["rank_corr"], 3),
+           "workers": {}}
+    for w in workers:
+        started = time.perf_counter()
+        steps = draw_steps(draws, w * slots, max(run_steps, 1), seed)
+        lengths, predicted = steps[0]
+        # Each step planned once, by the code the real scheduler runs; every mode reuses the plans.
+        plans = {policy: [plan([len(g) for g in ls], w, policy, ps, cost_model, slots=slots,
+                               true_lengths=ls if policy == "oracle" else None) for ls, ps in steps]
+                 for policy in policies}
+        row = {"groups": len(lengths), "requests": sum(map(len, lengths))}
+        for policy in policies:
+            timeline = run_plan(lengths, plans[policy][0], slots=slots, cost_model=cost_model)
+            s = step_summary(timeline, lengths, slots, cost_model)
+            row[policy] = {"makespan_s": s["makespan"], "lower_bound_s": s["lower_bound"],
+                           "makespan_over_lb": s["makespan_over_lb"], "bubble": s["bubble"],
+                           "finish_gap_s": s["finish_gap"], "tail_share": s["tail_share"]}
+        base = row["static"]["makespan_s"] if "static" in row else None
+        for policy in policies:
+            r = row[policy]
+            r["speedup_vs_static"] = base / r["makespan_s"] if base and r["makespan_s"] > 0 else None
+        if "histopipe" in row and "oracle" in row and row["histopipe"]["makespan_s"] > 0:
+            row["histopipe"]["share_of_oracle"] = row["oracle"]["makespan_s"] / row["histopipe"]["makespan_s"]
+        if run_steps > 0:
+            row["modes"] = simulate_modes(steps, w, slots, cost_model, plans, modes, train_s,
+                                          gantt_dir if w <= GANTT_MAX_WORKERS else None)
+        out["workers"][str(w)] = rounded(row)
+        hp = row.get("histopipe", {})
+        log(f"{w} workers x {slots} slots, {row['groups']} groups: "
+            + ", ".join(f"{p} {row[p]['makespan_over_lb']:.3f}x lb" for p in policies)
+            + (f"; histopipe {hp['speedup_vs_static']:.3f}x static" if hp.get("speedup_vs_static") else "")
+            + f" ({time.perf_counter() - started:.1f} s)")
+    return out
+
+
+def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],
+                   train_s: float, gantt_dir: str | Path | None = None) -> dict:
+    """Per mode and policy, the run of `steps` ((lengths, predicted) each) on the policy's `plans` (one per
+    step): its figures (see the module doc), and with `gantt_dir` its Gantt chart."""
+    out: dict = {}
+    for mode in [m for m in MODES if m in modes]:  # sync first: one_step_off's speed-up is over it
+        out[mode] = {}
+        for policy, assignments in plans.items():
+            run = simulate_run([ls for ls, _ in steps], workers, policy, mode=mode, slots=slots,
+                               cost_model=cost_model, train_s=train_s, assignments=assignments)
+            out[mode][policy] = {"total_s": run.total, "step_s": run.total / len(steps),
+                                 "bubble": bubble_ratio(run.timeline, span=run.total)}
+            if gantt_dir is not None:
+                write_gantt(Path(gantt_dir) / f"gantt_{workers}_{policy}_{mode}.png", run,
+                            f"{policy}, {mode}, {workers} workers x {slots} slots, {len(steps)} steps")
+        base = out[mode].get("static", {}).get("total_s")
+        for policy, r in out[mode].items():
+            r["speedup_vs_static"] = base / r["total_s"] if base and r["total_s"] > 0 else None
+            sync = out.get("sync", {}).get(policy) if mode != "sync" else None
+            if sync is not None and r["total_s"] > 0:
+                r["speedup_vs_sync"] = sync["total_s"] / r["total_s"]
+    return out
+
+
+def write_gantt(path: Path, run, title: str) -> None:
+    """One run's Gantt chart as a PNG (`histopipe.gantt`; matplotlib loads only when charts are asked for)."""
+    from rhymerl.histopipe.gantt import gantt_figure
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = gantt_figure([run.timeline], [title], spans=[run.total], max_workers=GANTT_MAX_WORKERS)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
