@@ -6,8 +6,10 @@ import atexit
 import functools
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
@@ -51,3 +53,31 @@ def random_prompts(n: int, lo: int = 2, hi: int = 12, seed: int = 0) -> list[lis
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(0, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+def tiny_smol_checkpoint(path: Path, smollm2_dir: Path, embed_std: float) -> Path:
+    """Write into `path` a 2-layer random Llama with the real SmolLM2 tokenizer and chat template (for the
+    training-loop tests, which need a chat template). `embed_std` sets how peaked its logits are: 0.8 gives
+    ~0.5 nats, responses that vary within a group yet repeat across epochs (HistoSpec drafts from history);
+    0.3 flatter ones, siblings that differ more."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    model.model.embed_tokens.weight.data.normal_(0, embed_std)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+def peaky_checkpoint(path: Path) -> str:
+    """Copy the tiny llama into `path` with its final norm scaled 6x: peaky logits, so that history drafts get
+    accepted (see tests/histospec)."""
+    shutil.copytree(tiny_checkpoint("llama")[0], path, dirs_exist_ok=True)
+    weights = load_file(path / "model.safetensors")
+    weights["model.norm.weight"] *= 6.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)

@@ -4,7 +4,6 @@ FIFO vs longest-first runs on a tiny random model (same tokens either way)."""
 
 import json
 import random
-import shutil
 
 import pytest
 
@@ -12,6 +11,7 @@ from rhymerl.bench import pipe_bench
 from rhymerl.cli import main
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.plan import POLICIES
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import random_prompts, tiny_checkpoint
 
 # A step of n sequences costs a little more than one of 1: batching pays, as on a real machine.
@@ -114,22 +114,7 @@ def test_real_runs_fifo_vs_longest_first_give_the_same_tokens():
     assert real["prompts"] == 4 and real["tokens"] > 0 and real["speedup"] > 0
 
 
-@pytest.fixture
-def ray_cluster(tmp_path_factory, monkeypatch):
-    """A real local Ray cluster for one test, everything under a short temp folder (its socket paths must fit
-    108 bytes), no token file (as tests/rollout/test_ray_pool.py)."""
-    import ray
-
-    temp = tmp_path_factory.mktemp("ray")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-             _temp_dir=str(temp), log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-def test_two_ray_workers_run_every_schedule_with_the_same_tokens(ray_cluster, capsys):
+def test_two_ray_workers_run_every_schedule_with_the_same_tokens(cluster, capsys):
     """Part (b) on two Ray workers (2026-11-25): static, least_loaded, histopipe and histopipe with migration
     on the same groups, each twice; the figures' shape, the same tokens, and the table."""
     model_dir, _ = tiny_checkpoint("llama")

@@ -4,48 +4,21 @@ workers, a table, progress lines on stderr, then one JSON line of named figures;
 the same tokens (fp32)."""
 
 import json
-import shutil
 import tempfile
 
 import pytest
-import ray
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rhymerl.bench import workers_bench
 from rhymerl.cli import main
 from rhymerl.rollout.types import WorkerStats
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One real local cluster for the module, as in tests/rollout/test_ray_pool.py (its session folder under the
-    test's temp folder, no token file); the bench's own `connect` then keeps this connection."""
-    temp = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
-        yield
-        ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import tiny_smol_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_dir):
-    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template."""
-    path = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    model.model.embed_tokens.weight.data.normal_(0, 0.8)  # peaked logits: varied, repeating responses
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    return path
+    return tiny_smol_checkpoint(tmp_path_factory.mktemp("tiny-smol"), smollm2_dir, embed_std=0.8)
 
 
 def test_call_figures_split_the_rollout_call():

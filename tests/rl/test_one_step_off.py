@@ -10,9 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rhymerl.config import ConfigError, TrainSection, load_config
 from rhymerl.cost_model import CostModel
@@ -23,7 +21,8 @@ from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.losses import policy_loss, tis_weights
 from rhymerl.rl.trainer import PolicyTrainer
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
-from tiny_models import VOCAB, random_prompts, tiny_decoder
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
 
@@ -159,34 +158,10 @@ def test_alternate_admission_flips_with_the_step_and_keeps_the_tokens():
 # ---- a tiny run on a real local Ray cluster --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A real local cluster for the module, written under the test's temp folder (as tests/rollout/
-    test_ray_pool.py's, no ~/.ray/auth_token)."""
-    temp = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
-        yield
-        ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 2-layer random Llama with the real SmolLM2 tokenizer (as tests/rl/test_training_loop.py's)."""
-    path = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    model.model.embed_tokens.weight.data.normal_(0, 0.3)  # flat enough logits that siblings differ
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
-    # a reward that differs between almost any two completions, so that every step trains (non-zero advantages)
+    """A tiny model with the real SmolLM2 tokenizer, logits flat enough that siblings differ, and a reward that
+    differs between almost any two completions, so that every step trains (non-zero advantages)."""
+    path = tiny_smol_checkpoint(tmp_path_factory.mktemp("tiny-smol"), smollm2_dir, embed_std=0.3)
     (path / "reward_fns.py").write_text("def length_mod(completion, ground_truth, data_source, prompt):\n"
                                         "    return len(completion or '') % 7 / 6\n")
     return path

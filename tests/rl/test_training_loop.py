@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from rhymerl.bench import e2e_bench, spec_bench
 from rhymerl.config import ConfigError, load_config
@@ -31,6 +31,7 @@ from rhymerl.histopipe.trace import read_trace
 from rhymerl.process import deterministic_algorithms
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.prompts import batch_indices
+from tiny_models import tiny_smol_checkpoint
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -55,20 +56,8 @@ def flaky(completion, ground_truth, data_source, prompt):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template."""
-    path = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    # Large embeddings make peaked logits (entropy ~0.5 nats): responses vary within a group (non-zero
-    # advantages) yet repeat enough across epochs for HistoSpec to draft from history.
-    model.model.embed_tokens.weight.data.normal_(0, EMBED_STD)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
+    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template, and the reward functions."""
+    path = tiny_smol_checkpoint(tmp_path_factory.mktemp("tiny-smol"), smollm2_dir, embed_std=EMBED_STD)
     (path / "reward_fns.py").write_text(REWARD_PY)
     return path
 

@@ -3,7 +3,6 @@ versioned weights, history shipped as slices, a killed worker replaced without c
 
 import os
 import re
-import shutil
 import signal
 import threading
 import time
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from safetensors.torch import load_file, save_file
 
 import rhymerl
 from rhymerl.cost_model import CostModel
@@ -19,7 +17,8 @@ from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
 from rhymerl.rollout.ray_pool import RayPool, static_split, worker_resources
-from tiny_models import random_prompts, tiny_checkpoint
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import peaky_checkpoint, random_prompts
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PARAMS = SamplingParams(temperature=0.3, max_tokens=16, seed=3)
@@ -28,29 +27,8 @@ CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tok
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One real local cluster for the module, everything it writes under the test's temp folder: its session
-    folder (`_temp_dir`), and no token file (Ray 2.60 otherwise writes ~/.ray/auth_token when it starts a
-    cluster: ray/_private/authentication/authentication_token_setup.py, enable_token_auth_by_default)."""
-    temp = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
-        yield
-        ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def peaky_dir(tmp_path_factory):
-    """A tiny checkpoint made peaky, so that history drafts get accepted (see tests/histospec)."""
-    path = tmp_path_factory.mktemp("peaky")
-    shutil.copytree(tiny_checkpoint("llama")[0], path, dirs_exist_ok=True)
-    weights = load_file(path / "model.safetensors")
-    weights["model.norm.weight"] *= 6.0
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
+    return peaky_checkpoint(tmp_path_factory.mktemp("peaky"))
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,10 @@
 one at a step boundary. Under every schedule, migrated or not, each response comes back once with the tokens
 of the in-process pool (tiny model, fp32, keyed randomness)."""
 
-import shutil
 import threading
 import time
 
 import pytest
-import ray
-from safetensors.torch import load_file, save_file
 
 from rhymerl.config import sections
 from rhymerl.cost_model import CostModel
@@ -19,7 +16,8 @@ from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
 from rhymerl.rollout import ray_pool
 from rhymerl.rollout.ray_pool import RayPool
-from tiny_models import random_prompts, tiny_checkpoint
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import peaky_checkpoint, random_prompts
 
 # A step of more sequences costs more (as on a real machine), so that histopipe's plan is not a plain count.
 COST = CostModel([1, 4], [1, 8], [[0.010, 0.030], [0.020, 0.080]])
@@ -28,28 +26,8 @@ CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tok
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One real local cluster for the module (as tests/rollout/test_ray_pool.py: no token file, its session
-    folder under the test's temp folder)."""
-    temp = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
-        yield
-        ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def peaky_dir(tmp_path_factory):
-    """A tiny checkpoint made peaky, so that history drafts get accepted (see tests/histospec)."""
-    path = tmp_path_factory.mktemp("peaky")
-    shutil.copytree(tiny_checkpoint("llama")[0], path, dirs_exist_ok=True)
-    weights = load_file(path / "model.safetensors")
-    weights["model.norm.weight"] *= 6.0
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
+    return peaky_checkpoint(tmp_path_factory.mktemp("peaky"))
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,14 @@ import traceback
 from pathlib import Path
 
 import pytest
-import ray
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rhymerl.config import load_config
 from rhymerl.cost_model import CostModel
 from rhymerl.metrics import read_metrics
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.rl.loop import TrainingRun
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
 STEPS = 4  # two epochs of 4 prompts, 2 a step: the second epoch drafts from the history
@@ -81,34 +80,9 @@ def worker_totals(rows: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One real local cluster for the module (as tests/rollout/test_ray_pool.py's): 2 CPUs, so one pool of
-    two workers at a time (each run's pool is closed when it ends), everything under the test's temp folder,
-    no token file."""
-    temp = tmp_path_factory.mktemp("ray")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
-        yield
-        ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A 2-layer random Llama with the real SmolLM2 tokenizer and chat template (tests/rl's tiny model)."""
-    path = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    model.model.embed_tokens.weight.data.normal_(0, 0.8)  # peaked logits: groups vary, history drafts accepted
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
+    """tests/rl's tiny model (peaked logits: groups vary, history drafts accepted) and its reward."""
+    path = tiny_smol_checkpoint(tmp_path_factory.mktemp("tiny-smol"), smollm2_dir, embed_std=0.8)
     (path / "reward_fns.py").write_text(REWARD_PY)
     return path
 

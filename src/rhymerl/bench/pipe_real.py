@@ -51,6 +51,24 @@ def arithmetic_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return [chat_prompt_ids(tokenizer, prompt_text(p)) for p in make_problems(n, seed)]
 
 
+def policy_and_prompts(model: str, prompts: Sequence[Sequence[int]] | None, num_prompts: int, seed: int,
+                       device: str):
+    """(fp32 policy, tokenizer, model directory, prompt ids) of the real runs: `prompts` given, no tokenizer
+    is loaded (a tokenizer-less test model); else the arithmetic task's first `num_prompts`. Torch is
+    imported here, not at the top: the simulation (part a) runs without it."""
+    import torch
+
+    from rhymerl.model.fetch import resolve_model_dir
+    from rhymerl.model.pretrained import load_pretrained
+    from rhymerl.model.weights import load_decoder
+
+    if prompts is None:
+        policy, tokenizer, model_dir = load_pretrained(model, "fp32", device)
+        return policy, tokenizer, model_dir, arithmetic_prompts(tokenizer, num_prompts, seed)
+    model_dir = resolve_model_dir(model)
+    return load_decoder(model_dir, torch.float32, device), None, model_dir, [list(p) for p in prompts]
+
+
 def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_prompts: int = 16,
              num_generations: int = 4, slots: int = 16, max_tokens: int = 128, temperature: float = 1.0,
              repeats: int = 3, seed: int = 0, dtype: str = "auto", device: str | None = None,
@@ -60,26 +78,16 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     `model`: a built-in name or a model directory. `prompts`: token ids (then no tokenizer is loaded: a
     tokenizer-less test model); default the arithmetic task's first `num_prompts`. `cost_model`: HistoSpec's,
     measured by the first worker when None and reused by the second."""
-    import torch
-
     from rhymerl.engine.sampling_params import SamplingParams
     from rhymerl.history import HistoryStore
-    from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
+    from rhymerl.model.pretrained import default_device, resolve_dtype
     from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, WorkerConfig
 
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
-    if prompts is None:
-        policy, tokenizer, _ = load_pretrained(model, "fp32", device)
-        prompts = arithmetic_prompts(tokenizer, num_prompts, seed)
-    else:
-        from rhymerl.model.fetch import resolve_model_dir
-        from rhymerl.model.weights import load_decoder
-
-        policy, tokenizer = load_decoder(resolve_model_dir(model), torch.float32, device), None
-        prompts = [list(p) for p in prompts]
+    policy, tokenizer, _, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device)
     max_len = max(map(len, prompts)) + max_tokens + 1
     history = HistoryStore()
     pools = {}
@@ -157,13 +165,9 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     """Part (b), two Ray workers: every schedule (and histopipe with migration) on the same groups (see the
     module doc). Arguments as `run_real`'s; a Ray cluster is started for this process unless it is already
     connected to one."""
-    import torch
-
     from rhymerl.engine.sampling_params import SamplingParams
     from rhymerl.history import HistoryStore
-    from rhymerl.model.fetch import resolve_model_dir
-    from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
-    from rhymerl.model.weights import load_decoder
+    from rhymerl.model.pretrained import default_device, resolve_dtype
     from rhymerl.rollout import RolloutGroup, WorkerConfig
     from rhymerl.rollout.factory import make_pool
 
@@ -171,13 +175,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
-    if prompts is None:
-        policy, tokenizer, model_dir = load_pretrained(model, "fp32", device)
-        prompts = arithmetic_prompts(tokenizer, num_prompts, seed)
-    else:
-        model_dir = resolve_model_dir(model)
-        policy, tokenizer = load_decoder(model_dir, torch.float32, device), None
-        prompts = [list(p) for p in prompts]
+    policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device)
     config = WorkerConfig(num_slots=slots, max_model_len=max(map(len, prompts)) + max_tokens + 1, dtype=dtype,
                           speculative=speculative)
     pool = make_pool("ray", num_workers, "", policy, tokenizer, model_dir, config, HistoryStore(), seed=seed,
