@@ -4,8 +4,9 @@ import json
 import pickle
 
 import pytest
+from transformers import AutoTokenizer
 
-from rhymerl.bench.spec_bench import history_of_run
+from rhymerl.bench.spec_bench import history_of_run, load_prompts
 from rhymerl.history import HistoryStore
 
 
@@ -50,3 +51,16 @@ def test_missing_or_bad_history_is_named(tmp_path):
     (ckpt / "history.json").write_text('{"truncated": ')
     with pytest.raises(ValueError, match=r"history.json is not a history store \(JSONDecodeError"):
         history_of_run(tmp_path)
+
+
+def test_prompts_of_a_builtin_task_or_a_prompt_file(smollm2_dir, tmp_path):
+    """--data: arithmetic by default, countdown by name, or a JSONL file's first n prompts (held-out text the
+    cost model was never tuned on, for the never-slower floor)."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = [tok.decode(p) for p in load_prompts(tok, "countdown", 3, seed=0)]
+    assert len(text) == 3 and all("write an equation that equals" in t for t in text)
+    assert load_prompts(tok, None, 4, 0) == load_prompts(tok, "arithmetic", 4, 0) != load_prompts(tok, "countdown", 4, 0)
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Why is the sea salty?"}\n{"question": "Name a prime above 100."}\n'
+                    '{"prompt": "unused"}\n')
+    assert [tok.decode(p).count("Why is the sea salty?") for p in load_prompts(tok, str(path), 2, 0)] == [1, 0]

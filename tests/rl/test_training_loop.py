@@ -4,6 +4,7 @@ transformers loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,7 +32,9 @@ from rhymerl.histopipe.trace import read_trace
 from rhymerl.process import deterministic_algorithms
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.prompts import batch_indices
-from tiny_models import tiny_smol_checkpoint
+from rhymerl.rl.run_settings import DEFAULT_SIZES, resolve_machine_defaults
+from rhymerl.rl.trainer import PolicyTrainer
+from tiny_models import tiny_decoder, tiny_smol_checkpoint
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -370,15 +373,40 @@ def test_the_update_runs_with_deterministic_algorithms_and_the_rollout_without(t
 def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_path, monkeypatch, native_bf16):
     """dtype=auto (the default) runs the rollout in bf16 and the update under bf16 autocast where the device
     multiplies bf16 natively, and both in fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is several times
-    slower than fp32 (docs/notebook/2026-11-22.md, bench engine at 733015d). The config keeps saying "auto"."""
+    slower than fp32 (docs/notebook/2026-11-22.md, bench engine at 733015d). What "auto" became, and the
+    default job's size that follows from it (train.total_steps left at 0 here; prompts_per_step given), is
+    what the run uses and writes into its config.yaml."""
     monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: native_bf16)
     cfg = load_config(None, _overrides(tiny_dir, tmp_path / "a", "train.dtype=auto", "rollout.dtype=auto"))
+    assert cfg.train.total_steps == 0  # the default: by the machine
     run = TrainingRun(cfg, cost_model=FLAT)
     want = torch.bfloat16 if native_bf16 else torch.float32
     assert next(run.pool.worker.model.parameters()).dtype == want
     assert run.trainer.autocast == (torch.bfloat16 if native_bf16 else None)
     assert next(run.model.parameters()).dtype == torch.float32  # master weights
-    assert run.cfg.rollout.dtype == run.cfg.train.dtype == "auto"
+    name = "bf16" if native_bf16 else "fp32"
+    assert (run.cfg.rollout.dtype, run.cfg.train.dtype) == (name, name)
+    assert (run.cfg.train.total_steps, run.cfg.train.prompts_per_step) == (DEFAULT_SIZES["bf16" if native_bf16 else "fp32"][0], 2)
+    assert run.trainer.schedule_steps == run.cfg.train.total_steps
+    assert load_config(tmp_path / "a" / "config.yaml", []) == run.cfg
+
+
+def test_the_default_jobs_size_follows_the_updates_dtype_and_explicit_values_win():
+    """train.total_steps / prompts_per_step left at 0 take the default job's size for the update's dtype (a
+    smaller job where the update runs in fp32: a 2-core AVX2 CPU took 37 min for the bf16 machines' job);
+    given values are kept; dtypes come out resolved; the trainer refuses a schedule over an unresolved 0."""
+    cfg = load_config(None, [])
+    assert (cfg.train.total_steps, cfg.train.prompts_per_step) == (0, 0)
+    for dtype in ("bf16", "fp32"):
+        out = resolve_machine_defaults(cfg, {"rollout": dtype, "train": dtype})
+        assert (out.train.total_steps, out.train.prompts_per_step) == DEFAULT_SIZES[dtype]
+        assert out.rollout.dtype == out.train.dtype == dtype and out.rollout == dataclasses.replace(cfg.rollout, dtype=dtype)
+    assert DEFAULT_SIZES["fp32"][0] * DEFAULT_SIZES["fp32"][1] < DEFAULT_SIZES["bf16"][0] * DEFAULT_SIZES["bf16"][1]
+    given = load_config(None, ["train.total_steps=7", "train.prompts_per_step=3", "rollout.dtype=bf16"])
+    out = resolve_machine_defaults(given, {"rollout": "bf16", "train": "fp32"})
+    assert (out.train.total_steps, out.train.prompts_per_step, out.train.dtype) == (7, 3, "fp32")
+    with pytest.raises(ValueError, match="train.total_steps, which is 0"):
+        PolicyTrainer(tiny_decoder(), dataclasses.replace(cfg.train, lr_scheduler="linear", dtype="fp32"), 1.0, 8)
 
 
 def test_resolve_dtype(monkeypatch):
@@ -399,7 +427,8 @@ def test_resolve_dtype(monkeypatch):
 def test_a_resumed_auto_run_keeps_the_dtypes_it_started_with(tiny_dir, tmp_path, monkeypatch, capfd):
     """dtype=auto is resolved once, when the run starts, and kept in its checkpoints: resumed on a machine
     where auto would choose otherwise (here: bf16 native at the start, not at the resume), the run goes on
-    in bf16 and says why; an explicit dtype given with the resume switches."""
+    in bf16, as its config.yaml says; an explicit dtype given with the resume switches. A config that still
+    says auto at the resume (an override) keeps the checkpoint's dtypes and says why."""
     monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: True)
     out = tmp_path / "run"
     cfg = load_config(None, _overrides(tiny_dir, out, "train.dtype=auto", "rollout.dtype=auto", "train.total_steps=1",
@@ -412,11 +441,13 @@ def test_a_resumed_auto_run_keeps_the_dtypes_it_started_with(tiny_dir, tmp_path,
     capfd.readouterr()
     kept = TrainingRun.resume(out, cost_model=FLAT)
     assert next(kept.pool.worker.model.parameters()).dtype == torch.bfloat16 and kept.trainer.autocast == torch.bfloat16
+    assert kept.cfg.rollout.dtype == kept.cfg.train.dtype == "bf16"  # resolved at the start, saved
+    auto = TrainingRun.resume(out, ["rollout.dtype=auto"], cost_model=FLAT)
+    assert next(auto.pool.worker.model.parameters()).dtype == torch.bfloat16
     assert "rollout.dtype=auto: keeping bf16" in capfd.readouterr().err
-    assert kept.cfg.rollout.dtype == kept.cfg.train.dtype == "auto"  # the config is not rewritten
     switched = TrainingRun.resume(out, ["rollout.dtype=fp32"], cost_model=FLAT)
     assert next(switched.pool.worker.model.parameters()).dtype == torch.float32
-    assert switched.trainer.autocast == torch.bfloat16  # train.dtype is still auto: kept
+    assert switched.trainer.autocast == torch.bfloat16  # train.dtype as saved
 
 
 # Dynamic sampling's input: the groups of half of the prompts (by a hash of the prompt) score a constant.

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.progress import Progress
+from rhymerl.data.dataset import BUILTIN_TASKS, builtin_examples
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
@@ -40,15 +41,16 @@ from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretr
 from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.history import HistoryStore
-from rhymerl.tasks.arithmetic import make_problems, prompt_text
 from rhymerl.tasks.prompt_file import read_prompt_file
 
 TAIL = 4  # the long tail: at most this many sequences still running
 
 
 def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[int]]:
-    if data is None:
-        texts = [prompt_text(p) for p in make_problems(n, seed)]
+    """n prompts' token ids: of a built-in task (`data` None = arithmetic, or a task's name), fixed by seed, or
+    the first n of a JSONL prompt file."""
+    if data is None or data in BUILTIN_TASKS:
+        texts = [e.prompt for e in builtin_examples(data or "arithmetic", n, seed)]
     else:
         texts = [row.prompt for row in read_prompt_file(Path(data))][:n]
     return [chat_prompt_ids(tokenizer, t) for t in texts]
@@ -302,7 +304,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             "max_tokens": max_tokens, "draft_rule": draft_rule, "reward_aware_drafting": reward_aware,
             "repeats": repeats,
             "epoch_seeds": epoch_seeds, "ceiling": ceiling,
-            "data": f"history-from:{history_from}" if history_from else data or "builtin:arithmetic",
+            "data": f"history-from:{history_from}" if history_from else (f"builtin:{data or 'arithmetic'}" if data is None or data in BUILTIN_TASKS else data),
             "temperatures": results}
 
 

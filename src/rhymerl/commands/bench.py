@@ -114,7 +114,7 @@ def add_parser(sub) -> None:
     bs.add_argument("--num-generations", type=positive_int, default=8, help="responses per prompt and epoch")
     bs.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
     bs.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
-    bs.add_argument("--data", default=None, help="JSONL with 'prompt' or 'question' (default: built-in arithmetic)")
+    bs.add_argument("--data", default=None, help="a built-in task (arithmetic, countdown) or a JSONL file with 'prompt' or 'question' (default: arithmetic)")
     bs.add_argument("--repeats", type=positive_int, default=3,
                     help="plain and HistoSpec rollouts (full batch and tail) alternate this many times; each keeps its "
                          "fastest (with 2, a machine whose speed drifts by a few percent left one side on a slow "

@@ -237,8 +237,12 @@ class RolloutSection(_Section):
 class TrainSection(_Section):
     """The optimiser and the GRPO loss."""
 
-    total_steps: int = _opt(40, "optimiser steps (each on one rollout batch)", check=">= 1")
-    prompts_per_step: int = _opt(4, "prompts per rollout batch (x num_generations completions)", check=">= 1")
+    # 0 = by the machine (rl/run_settings.DEFAULT_SIZES, resolved at start into the run's config.yaml): the
+    # embedded job fits ~10 minutes on a 2-core CPU whether its update runs in bf16 or, without native bf16, fp32
+    total_steps: int = _opt(0, "rollout steps, each one update of num_iterations optimiser steps; 0 = by the "
+                            "machine: 20 where the update runs in bf16, 16 in fp32", check=">= 0")
+    prompts_per_step: int = _opt(0, "prompts per rollout batch (x num_generations completions); 0 = by the "
+                                 "machine: 4 where the update runs in bf16, 2 in fp32", check=">= 0")
     # 16: fewer, larger matmuls per update than 8, chosen from one-off timings of `PolicyTrainer.update` on
     # the 2-core CPU; no bench command times the update alone, so no figure is claimed for it
     micro_batch_size: int = _opt(16, "sequences per forward/backward", check=">= 1")

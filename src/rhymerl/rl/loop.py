@@ -35,14 +35,14 @@ from rhymerl.metrics import MetricsLogger, read_metrics
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.weights import load_decoder, to_hf_state_dict
 from rhymerl.rl.advantages import grpo_advantages
-from rhymerl.rl.checkpoint import latest_checkpoint, save_checkpoint
-from rhymerl.rl.resume import check_resume, check_resume_dir, restore_training, resume_spec_state
+from rhymerl.rl.checkpoint import check_checkpoint, latest_checkpoint, save_checkpoint
+from rhymerl.rl.resume import check_resume_dir, check_total_steps, restore_training, resume_spec_state
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.background_rollout import BackgroundRollout
 from rhymerl.rl.filtering import GroupFilter
 from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
-from rhymerl.rl.run_settings import run_dtypes, worker_config
+from rhymerl.rl.run_settings import resolve_machine_defaults, run_dtypes, worker_config
 from rhymerl.rl.step_metrics import group_metrics, length_report, merged, rollout_metrics, val_metrics
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
@@ -56,14 +56,18 @@ class TrainingRun:
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None):
-        self.cfg = cfg
         device = "cuda" if torch.cuda.is_available() else "cpu"
         setup_process(cfg.run.seed, device)
         self.run_dir = Path(resume_dir or cfg.run.output_dir or
                             Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
-        ckpt_state = check_resume(ckpt, cfg.train.total_steps) if ckpt is not None else None
+        ckpt_state = check_checkpoint(ckpt) if ckpt is not None else None
+        self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
+        # from here on the config says what runs: dtypes, and the default job's size for this machine
+        self.cfg = cfg = resolve_machine_defaults(cfg, self.dtypes)
+        if ckpt is not None:
+            check_total_steps(ckpt, ckpt_state, cfg.train.total_steps)
 
         # ---- model: fp32 master weights for the trainer (each rollout worker keeps a copy in its dtype) ----
         self.model_dir = resolve_model_dir(cfg.model.name)
@@ -74,10 +78,9 @@ class TrainingRun:
         self.model = load_decoder(ckpt if ckpt and not lora else self.model_dir, torch.float32, device).train()
         self.ref_model = (load_decoder(self.model_dir, torch.float32, device).eval().requires_grad_(False)
                           if cfg.train.beta > 0 else None)  # the initial policy: loaded only for the KL term
-        self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
         print(f"[model] {self.model_dir.name} on {device}: rollout in {self.dtypes['rollout']}, update in "
-              f"{self.dtypes['train']} (rollout.dtype={cfg.rollout.dtype}, train.dtype={cfg.train.dtype})",
-              file=sys.stderr)
+              f"{self.dtypes['train']}; {cfg.train.total_steps} steps of {cfg.train.prompts_per_step} prompts x "
+              f"{cfg.rollout.num_generations}", file=sys.stderr)
         # ---- rollout: a pool of workers, each with its own copy of the policy in the rollout dtype ----
         self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)  # the truth, checkpointed
         worker = worker_config(cfg, self.model_dir, self.dtypes["rollout"], device)

@@ -10,8 +10,7 @@ import torch
 
 from rhymerl.config import ConfigError
 from rhymerl.cost_model import CostModel
-from rhymerl.rl.checkpoint import (CheckpointError, check_checkpoint, latest_checkpoint, load_checkpoint,
-                                  read_spec_state, set_rng_state)
+from rhymerl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_spec_state, set_rng_state
 
 
 def check_resume_dir(run_dir: str | Path) -> Path:
@@ -25,14 +24,12 @@ def check_resume_dir(run_dir: str | Path) -> Path:
     return run_dir
 
 
-def check_resume(path: Path, total_steps: int) -> dict:
-    """`check_checkpoint` before anything loads from `path` (a bad file is named, not met as a parser's
-    traceback later), and ConfigError when `total_steps` is below its step; returns its state.json."""
-    state = check_checkpoint(path)
+def check_total_steps(path: Path, state: dict, total_steps: int) -> None:
+    """ConfigError when the run's `total_steps` is below the step of its checkpoint `path` (whose state.json
+    is `state`, read by `check_checkpoint` before anything loads from it)."""
     if total_steps < state["step"]:
         raise ConfigError(f"train.total_steps={total_steps} is below the step of the checkpoint to resume from "
                           f"({path}: step {state['step']}): set train.total_steps={state['step']} or more")
-    return state
 
 
 def resume_spec_state(path: Path | None, cost_model: CostModel | None) -> tuple[list | None, CostModel | None]:

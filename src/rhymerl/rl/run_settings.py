@@ -1,9 +1,12 @@
 """The settings a training run derives from its config and its machine, before it builds anything: the
-dtypes it computes in (`run_dtypes`) and its rollout workers' config (`worker_config`)."""
+dtypes it computes in (`run_dtypes`), the config with its machine-dependent defaults resolved
+(`resolve_machine_defaults`, what the run saves as its config.yaml) and its rollout workers' config
+(`worker_config`)."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rhymerl.config import TrainConfig
@@ -27,6 +30,25 @@ def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict
                   f"the choice on this {device}; set {part}.dtype={here} to switch)", file=sys.stderr)
         out[part] = kept or here
     return out
+
+
+# The default job's size (train.total_steps, train.prompts_per_step) by what the update computes in, for the
+# keys left at 0, so that `bash scripts/run.sh` shows the format reward rising within ~10 minutes on a 2-core
+# CPU (notebook 2026-11-26). 2026-11-26 at 4 prompts x 8: a bf16 step took 15-21 s on Sapphire Rapids (40
+# steps ~13 min), an fp32 one 51-69 s on an AVX2-only Zen 3 (40 steps 37 min; notebook 2026-11-22, d740e7d),
+# where the update, 32 s of it, halves with the batch.
+DEFAULT_SIZES = {"bf16": (20, 4), "fp32": (16, 2)}
+
+
+def resolve_machine_defaults(cfg: TrainConfig, dtypes: dict[str, str]) -> TrainConfig:
+    """`cfg` with what depends on the machine made explicit, once at the start of a run: `rollout.dtype` and
+    `train.dtype` as `run_dtypes` resolved them, and `train.total_steps` / `train.prompts_per_step` left at 0
+    from DEFAULT_SIZES by the update's dtype. The run uses and saves this config, so its config.yaml says
+    what ran and a resume on another kind of machine repeats it."""
+    steps, prompts = DEFAULT_SIZES[dtypes["train"]]
+    train = replace(cfg.train, dtype=dtypes["train"], total_steps=cfg.train.total_steps or steps,
+                    prompts_per_step=cfg.train.prompts_per_step or prompts)
+    return replace(cfg, rollout=replace(cfg.rollout, dtype=dtypes["rollout"]), train=train)
 
 
 def worker_config(cfg: TrainConfig, model_dir: Path, dtype: str, device: str) -> WorkerConfig:
