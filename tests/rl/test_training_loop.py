@@ -321,8 +321,11 @@ def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
     cfg = load_config(None, _overrides(tiny_dir, tmp_path / "run", "train.total_steps=2", "val.every=0"))
     run_dir = TrainingRun(cfg, cost_model=FLAT).run()
     s = spec_bench.run("unused", "fp32", (1.0,), num_prompts=4, num_generations=2, slots=4, max_tokens=8,
-                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir, repeats=1, epoch_seeds=2)
+                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir, repeats=1, epoch_seeds=2,
+                       reward_aware=True)
     row = s["temperatures"]["1.0"]
+    ra = row["reward_aware"]  # a third run per round, paired with the plain-priority one: fp32, the same tokens
+    assert ra["identity_vs_plain"] == 1.0 and len(ra["runs_tok_s"]) == 2 and ra["vs_histospec_paired"] > 0
     assert s["data"] == f"history-from:{run_dir}" and s["num_prompts"] == 4
     assert row["identity_rate"] == 1.0 and row["tokens_plain"] == row["tokens_spec"]
     # two timed epochs (4 prompts x 2 generations each), totalled

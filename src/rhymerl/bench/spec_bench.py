@@ -133,6 +133,11 @@ def _ms_per_forward(stats: list, part: str) -> float:
     return round(1e3 * seconds / max(sum(x.forward_passes for x in stats), 1), 2)
 
 
+def _paired(rounds: list[dict], mode: str, base: str) -> float:
+    """Geometric mean over the rounds of runs of `mode`'s tokens/s over `base`'s in the same round."""
+    return round(math.exp(sum(math.log(r[mode] / r[base]) for r in rounds) / len(rounds)), 3)
+
+
 def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float) -> float:
     """HistoSpec tokens/s over plain tokens/s."""
     return round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3)
@@ -152,7 +157,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
     separate_fp32 = bool(identity_prompts) and dtype != "fp32"  # progress: the stages below, counted
-    per_temp = (run_history is None) + 2 * epoch_seeds * repeats + 1 + separate_fp32 + bool(identity_prompts)
+    per_temp = (run_history is None) + (2 + reward_aware) * epoch_seeds * repeats + 1 + separate_fp32 + bool(identity_prompts)
     progress = Progress("spec", 3 + separate_fp32 + bool(identity_prompts) + len(temperatures) * per_temp)
     progress.stage(f"loading {model_name} ({dtype}{' and fp32' if separate_fp32 else ''})")
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
@@ -172,11 +177,11 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     # HistoSpec drafts almost nothing: only the measured-just-before runs lost to plain).
     costs = {}
 
-    def make(m, spec, history=None, n_slots=slots, length=max_len):
+    def make(m, spec, history=None, n_slots=slots, length=max_len, aware=False):
         key = (id(m), n_slots, length)
         engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
                         history=history, draft_rule=draft_rule, max_draft_tokens=max_draft_tokens,
-                        cost_model=costs.get(key), reward_aware_drafting=reward_aware)
+                        cost_model=costs.get(key), reward_aware_drafting=aware)
         if spec == "histospec":
             costs.setdefault(key, engine.cost_model)
         return engine
@@ -216,21 +221,25 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         # the figures are totals over the seeds: in bf16 the two sides sample different responses (see
         # identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way.
         epoch2 = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k) for k in range(epoch_seeds)]
+        # With --reward-aware, a third run in every round drafts reward-aware: the same cost model (measured
+        # once above) and so the same budget as the plain-priority HistoSpec run beside it, a paired comparison.
+        modes = ("off", "histospec", "reward_aware")[:2 + reward_aware]
         runs = []  # per epoch seed: {mode: (outputs, seconds, engine)}
-        pairs = []  # every (plain, HistoSpec) pair of runs, in order: their tokens/s
+        pairs = []  # every round of runs, in order: their tokens/s by mode
         for params in epoch2:
             best: dict[str, tuple] = {}
             for rep in range(repeats):
                 tok_s = {}
-                for mode in ("off", "histospec"):
+                for mode in modes:
                     progress.stage(f"T={temp}: epoch 2 seed {params.seed} repeat {rep + 1}/{repeats}: "
                                    f"{'plain' if mode == 'off' else mode}")
-                    engine = make(model, mode, history)
+                    engine = make(model, "off" if mode == "off" else "histospec", history,
+                                  aware=mode == "reward_aware")
                     outs, seconds = rollout(engine, prompts, num_generations, params)
                     tok_s[mode] = engine.stats.generated_tokens / seconds
                     if mode not in best or seconds < best[mode][1]:
                         best[mode] = (outs, seconds, engine)
-                pairs.append((tok_s["off"], tok_s["histospec"]))
+                pairs.append(tok_s)
             runs.append(best)
         plain_all = [o for r in runs for o in r["off"][0]]  # every epoch's outputs, for the identity rate
         spec_all = [o for r in runs for o in r["histospec"][0]]
@@ -250,8 +259,8 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             # The same from each pair of adjacent runs (geometric mean of their ratios), beside every run's
             # tokens/s: the fastest-run figure above is robust to noise, which only adds time, and this one to
             # the machine's slow drift, which moves both runs of a pair alike.
-            "speedup_paired": round(math.exp(sum(math.log(b / a) for a, b in pairs) / len(pairs)), 3),
-            "runs_tok_s": {"plain": [round(a, 1) for a, _ in pairs], "spec": [round(b, 1) for _, b in pairs]},
+            "speedup_paired": _paired(pairs, "histospec", "off"),
+            "runs_tok_s": {"plain": [round(r["off"], 1) for r in pairs], "spec": [round(r["histospec"], 1) for r in pairs]},
             "accept_rate": round(accepted / max(drafted, 1), 3),
             "mean_accepted_len": round(accepted / max(verify_steps, 1), 2),
             "tokens_per_forward": round(tokens_spec / max(sum(x.seq_steps for x in ss), 1), 3),
@@ -265,6 +274,18 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             "plain_other_ms_per_step": _ms_per_forward(ps, "other"), "spec_other_ms_per_step": _ms_per_forward(ss, "other"),
             f"identity_rate_{dtype}": round(identity(plain_all, spec_all), 3),  # of the timed runs
         }
+        if reward_aware:
+            ra = [r["reward_aware"][2] for r in runs]
+            ra_drafted, ra_accepted = sum(r.speculator.stats.drafted for r in ra), sum(r.speculator.stats.accepted for r in ra)
+            ra_tokens, ra_s = sum(r.stats.generated_tokens for r in ra), sum(r["reward_aware"][1] for r in runs)
+            row["reward_aware"] = {
+                "tok_s": round(ra_tokens / ra_s, 1), "speedup": _speedup(ra_tokens, ra_s, tokens_plain, plain_s),
+                "vs_histospec_paired": _paired(pairs, "reward_aware", "histospec"),
+                "runs_tok_s": [round(r["reward_aware"], 1) for r in pairs],
+                "accept_rate": round(ra_accepted / max(ra_drafted, 1), 3), "drafted": ra_drafted,
+                "accepted": ra_accepted,
+                "tokens_per_forward": round(ra_tokens / max(sum(r.stats.seq_steps for r in ra), 1), 3),
+                "identity_vs_plain": round(identity(plain_all, [o for r in runs for o in r["reward_aware"][0]]), 3)}
         if epoch_seeds > 1:
             row["speedup_by_seed"] = [_speedup(spec_st.generated_tokens, r["histospec"][1], plain_st.generated_tokens, r["off"][1])
                                       for r, spec_st, plain_st in zip(runs, ss, ps)]
@@ -322,6 +343,14 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   str(r["accept_rate"]), str(r["tokens_per_forward"]),
                   str(r.get("identity_rate", "-")), str(r[f"identity_rate_{summary['dtype']}"]))
     console.print(t)
+    for temp, r in summary["temperatures"].items():
+        if "reward_aware" in r:
+            ra = r["reward_aware"]
+            console.print(f"T={temp} reward-aware drafting: {ra['tok_s']} tok/s ({ra['speedup']}x plain), "
+                          f"{ra['vs_histospec_paired']}x plain-priority HistoSpec by rounds (same cost model), "
+                          f"accept {ra['accept_rate']} vs {r['accept_rate']}, drafted {ra['drafted']} vs "
+                          f"{r['drafted']}, tok/seq/fwd {ra['tokens_per_forward']} vs {r['tokens_per_forward']}, "
+                          f"identity with plain {ra['identity_vs_plain']}")
     for name, c in summary["ceiling"].items():
         console.print(f"ceiling ({name.replace('_', ' ')}): a perfect drafter, every sequence committing "
                       f"{c['tokens_per_seq']} tokens per forward, would be {c['speedup']}x plain by the measured "

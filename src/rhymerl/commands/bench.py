@@ -132,8 +132,9 @@ def add_parser(sub) -> None:
     bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
                     help="draft from a training run's saved history (and use its policy and prompts)")
     bs.add_argument("--reward-aware", action="store_true",
-                    help="HistoSpec drafts reward-aware (rollout.reward_aware_drafting): branches of higher-reward "
-                         "responses first; with --history-from, whose history carries the run's rewards")
+                    help="a third run in every round drafts reward-aware (rollout.reward_aware_drafting: branches of "
+                         "higher-reward responses first), paired with plain-priority HistoSpec on the same cost "
+                         "model; with --history-from, whose history carries the run's rewards")
     bs.add_argument("--device", default=None, help=DEVICE_HELP)
     bs.set_defaults(func=cmd_bench_spec)
     bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, then real runs: one "
