@@ -3,6 +3,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 if [ $# -eq 0 ]; then
-  set -- train  # the embedded default job: GRPO on smollm2-135m, built-in arithmetic task, 6-15 min on a CPU
+  set -- train  # the embedded default job: GRPO on smollm2-135m, built-in arithmetic task, sized to ~10 min on a 2-core CPU
 fi
 exec .venv/bin/rhymerl "$@"
