@@ -32,9 +32,8 @@ from rhymerl.histopipe.trace import read_trace
 from rhymerl.process import deterministic_algorithms
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.prompts import batch_indices
-from rhymerl.rl.run_settings import DEFAULT_SIZES, resolve_machine_defaults
-from rhymerl.rl.trainer import PolicyTrainer
-from tiny_models import tiny_decoder, tiny_smol_checkpoint
+from rhymerl.rl.run_settings import DEFAULT_PROMPTS_PER_STEP, resolve_machine_defaults
+from tiny_models import tiny_smol_checkpoint
 
 EMBED_STD = 0.8
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -377,11 +376,11 @@ def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_pat
     """dtype=auto (the default) runs the rollout in bf16 and the update under bf16 autocast where the device
     multiplies bf16 natively, and both in fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is several times
     slower than fp32 (docs/notebook/2026-11-22.md, bench engine at 733015d). What "auto" became, and the
-    default job's size that follows from it (train.total_steps left at 0 here; prompts_per_step given), is
-    what the run uses and writes into its config.yaml."""
+    default job's batch that follows from it (train.prompts_per_step left at 0 here), is what the run uses and
+    writes into its config.yaml."""
     monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: native_bf16)
-    cfg = load_config(None, _overrides(tiny_dir, tmp_path / "a", "train.dtype=auto", "rollout.dtype=auto"))
-    assert cfg.train.total_steps == 0  # the default: by the machine
+    cfg = load_config(None, _overrides(tiny_dir, tmp_path / "a", "train.dtype=auto", "rollout.dtype=auto",
+                                       "train.prompts_per_step=0"))
     run = TrainingRun(cfg, cost_model=FLAT)
     want = torch.bfloat16 if native_bf16 else torch.float32
     assert next(run.pool.worker.model.parameters()).dtype == want
@@ -389,27 +388,24 @@ def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_pat
     assert next(run.model.parameters()).dtype == torch.float32  # master weights
     name = "bf16" if native_bf16 else "fp32"
     assert (run.cfg.rollout.dtype, run.cfg.train.dtype) == (name, name)
-    assert (run.cfg.train.total_steps, run.cfg.train.prompts_per_step) == (DEFAULT_SIZES["bf16" if native_bf16 else "fp32"][0], 2)
-    assert run.trainer.schedule_steps == run.cfg.train.total_steps
+    assert run.cfg.train.prompts_per_step == DEFAULT_PROMPTS_PER_STEP[name]
     assert load_config(tmp_path / "a" / "config.yaml", []) == run.cfg
 
 
-def test_the_default_jobs_size_follows_the_updates_dtype_and_explicit_values_win():
-    """train.total_steps / prompts_per_step left at 0 take the default job's size for the update's dtype (a
-    smaller job where the update runs in fp32: a 2-core AVX2 CPU took 37 min for the bf16 machines' job);
-    given values are kept; dtypes come out resolved; the trainer refuses a schedule over an unresolved 0."""
+def test_the_default_batch_follows_the_updates_dtype_and_explicit_values_win():
+    """train.prompts_per_step left at 0 takes the default job's batch for the update's dtype (a smaller one where
+    the update runs in fp32: a 2-core AVX2 CPU took 37 min for the bf16 machines' 40-step job); a given value
+    is kept; dtypes come out resolved."""
     cfg = load_config(None, [])
-    assert (cfg.train.total_steps, cfg.train.prompts_per_step) == (0, 0)
+    assert (cfg.train.total_steps, cfg.train.prompts_per_step) == (16, 0)
     for dtype in ("bf16", "fp32"):
         out = resolve_machine_defaults(cfg, {"rollout": dtype, "train": dtype})
-        assert (out.train.total_steps, out.train.prompts_per_step) == DEFAULT_SIZES[dtype]
+        assert out.train.prompts_per_step == DEFAULT_PROMPTS_PER_STEP[dtype] and out.train.total_steps == 16
         assert out.rollout.dtype == out.train.dtype == dtype and out.rollout == dataclasses.replace(cfg.rollout, dtype=dtype)
-    assert DEFAULT_SIZES["fp32"][0] * DEFAULT_SIZES["fp32"][1] < DEFAULT_SIZES["bf16"][0] * DEFAULT_SIZES["bf16"][1]
-    given = load_config(None, ["train.total_steps=7", "train.prompts_per_step=3", "rollout.dtype=bf16"])
+    assert DEFAULT_PROMPTS_PER_STEP["fp32"] < DEFAULT_PROMPTS_PER_STEP["bf16"]
+    given = load_config(None, ["train.prompts_per_step=3", "rollout.dtype=bf16"])
     out = resolve_machine_defaults(given, {"rollout": "bf16", "train": "fp32"})
-    assert (out.train.total_steps, out.train.prompts_per_step, out.train.dtype) == (7, 3, "fp32")
-    with pytest.raises(ValueError, match="train.total_steps, which is 0"):
-        PolicyTrainer(tiny_decoder(), dataclasses.replace(cfg.train, lr_scheduler="linear", dtype="fp32"), 1.0, 8)
+    assert (out.train.prompts_per_step, out.train.dtype, out.rollout.dtype) == (3, "fp32", "bf16")
 
 
 def test_resolve_dtype(monkeypatch):

@@ -32,22 +32,21 @@ def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict
     return out
 
 
-# The default job's size (train.total_steps, train.prompts_per_step) by what the update computes in, for the
-# keys left at 0, so that `bash scripts/run.sh` shows the format reward rising within ~10 minutes on a 2-core
-# CPU (notebook 2026-11-26). 2026-11-26 at 4 prompts x 8: a bf16 step took 15-21 s on Sapphire Rapids (40
-# steps ~13 min), an fp32 one 51-69 s on an AVX2-only Zen 3 (40 steps 37 min; notebook 2026-11-22, d740e7d),
-# where the update, 32 s of it, halves with the batch.
-DEFAULT_SIZES = {"bf16": (20, 4), "fp32": (16, 2)}
+# train.prompts_per_step left at 0, by what the update computes in, so that `bash scripts/run.sh` (16 steps) shows
+# the format reward rising within ~10 minutes on a 2-core CPU (notebook 2026-11-26). At 4 prompts x 8 a bf16
+# step took 15-21 s on Sapphire Rapids (the update ~1.5x longer with AMX masked off, as on Zen 4), an fp32 one
+# 51-69 s on an AVX2-only Zen 3 (notebook 2026-11-22, d740e7d), 32 s of it the update, which halves with the
+# batch.
+DEFAULT_PROMPTS_PER_STEP = {"bf16": 4, "fp32": 2}
 
 
 def resolve_machine_defaults(cfg: TrainConfig, dtypes: dict[str, str]) -> TrainConfig:
     """`cfg` with what depends on the machine made explicit, once at the start of a run: `rollout.dtype` and
-    `train.dtype` as `run_dtypes` resolved them, and `train.total_steps` / `train.prompts_per_step` left at 0
-    from DEFAULT_SIZES by the update's dtype. The run uses and saves this config, so its config.yaml says
-    what ran and a resume on another kind of machine repeats it."""
-    steps, prompts = DEFAULT_SIZES[dtypes["train"]]
-    train = replace(cfg.train, dtype=dtypes["train"], total_steps=cfg.train.total_steps or steps,
-                    prompts_per_step=cfg.train.prompts_per_step or prompts)
+    `train.dtype` as `run_dtypes` resolved them, and `train.prompts_per_step` left at 0 by the update's dtype
+    (DEFAULT_PROMPTS_PER_STEP). The run uses and saves this config, so its config.yaml says what ran and a
+    resume on another kind of machine repeats it."""
+    prompts = cfg.train.prompts_per_step or DEFAULT_PROMPTS_PER_STEP[dtypes["train"]]
+    train = replace(cfg.train, dtype=dtypes["train"], prompts_per_step=prompts)
     return replace(cfg, rollout=replace(cfg.rollout, dtype=dtypes["rollout"]), train=train)
 
 

@@ -62,9 +62,6 @@ class PolicyTrainer:
         importance sampling against the rollout's log-probs (see the module doc); <= 0: off."""
         if cfg.beta > 0 and ref_model is None:
             raise ValueError("train.beta > 0 needs a reference model")
-        if cfg.total_steps < 1 and cfg.lr_scheduler != "constant":  # 0 = by the machine, resolved by the run
-            raise ValueError(f"train.lr_scheduler={cfg.lr_scheduler} spans train.total_steps, which is 0 (by the "
-                             f"machine): resolve it first (rl/run_settings.resolve_machine_defaults)")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
         self.tis_cap = tis_imp_ratio_cap
         # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
