@@ -62,6 +62,7 @@ def test_bench_workers_end_to_end(cluster, tiny_dir, tmp_path, monkeypatch, caps
     assert summary["ray1_overhead_main"] in summary["ray1_overhead_parts_s"]
     assert summary["same_rollouts"] is True  # fp32: the same tokens wherever the workers run
     assert summary["config"]["steps"] == 2 and summary["config"]["num_generations"] == 2
+    assert summary["config"]["prompts_per_step"] == summary["local1"]["prompts_per_step"] == 2
     assert summary["machine"]["cpu_cores"] >= 1
     assert not list(tmp_path.iterdir())  # the runs' directories are removed
 

@@ -119,6 +119,7 @@ def run_setup(name: str, overrides: list[str], out_dir: Path, steps: int, warmup
         threads = getattr(run.pool, "threads", None) or torch.get_num_threads()  # a Ray worker's share
         facts = {"workers": workers, "threads_per_worker": threads,
                  "dtype": run.dtypes["rollout"], "device": next(run.model.parameters()).device.type,
+                 "prompts_per_step": run.cfg.train.prompts_per_step,  # as the run resolved it (0 = by the machine)
                  "bubble_from": "bench"}
         rows, rollouts = [], []
         for step in range(warmup + steps):
@@ -217,7 +218,7 @@ def summarise(cfg, timed: dict[str, list[dict]], rollouts: dict[str, list], fact
     out["same_rollouts"] = all(seen == first for runs in rollouts.values() for seen in runs)
     r = cfg.rollout
     out["config"] = {"model": cfg.model.name, "dtype": local["dtype"], "steps": steps, "warmup": warmup,
-                     "repeats": repeats, "prompts_per_step": cfg.train.prompts_per_step,
+                     "repeats": repeats, "prompts_per_step": facts["local1"]["prompts_per_step"],
                      "num_generations": r.num_generations, "max_completion_length": r.max_completion_length,
                      "num_slots": r.num_slots, "speculative": r.speculative, "seed": cfg.run.seed}
     out["machine"] = {"cpu_cores": os.cpu_count(), **device_fields(facts["local1"]["device"])}

@@ -64,7 +64,7 @@ class TrainingRun:
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
         ckpt_state = check_checkpoint(ckpt) if ckpt is not None else None
         self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
-        # from here on the config says what runs: dtypes, and the default job's size for this machine
+        # from here on the config says what runs: the dtypes, and the default batch for this machine
         self.cfg = cfg = resolve_machine_defaults(cfg, self.dtypes)
         if ckpt is not None:
             check_total_steps(ckpt, ckpt_state, cfg.train.total_steps)
