@@ -32,7 +32,7 @@ from rhymerl.histopipe.trace import read_trace
 from rhymerl.process import deterministic_algorithms
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.prompts import batch_indices
-from rhymerl.rl.run_settings import DEFAULT_PROMPTS_PER_STEP, resolve_machine_defaults
+from rhymerl.rl.run_settings import DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_PROMPTS_PER_STEP, resolve_machine_defaults
 from tiny_models import tiny_smol_checkpoint
 
 EMBED_STD = 0.8
@@ -389,23 +389,28 @@ def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_pat
     name = "bf16" if native_bf16 else "fp32"
     assert (run.cfg.rollout.dtype, run.cfg.train.dtype) == (name, name)
     assert run.cfg.train.prompts_per_step == DEFAULT_PROMPTS_PER_STEP[name]
+    assert run.pool.worker.engine.speculator.max_draft_tokens == DEFAULT_MAX_DRAFT_TOKENS[name]  # what drafts
     assert load_config(tmp_path / "a" / "config.yaml", []) == run.cfg
 
 
 def test_the_default_batch_follows_the_updates_dtype_and_explicit_values_win():
     """train.prompts_per_step left at 0 takes the default job's batch for the update's dtype (a smaller one where
-    the update runs in fp32: a 2-core AVX2 CPU took 37 min for the bf16 machines' 40-step job); a given value
-    is kept; dtypes come out resolved."""
+    the update runs in fp32: a 2-core AVX2 CPU took 37 min for the bf16 machines' 40-step job), and
+    rollout.max_draft_tokens the cap for the rollout's (shallow in fp32, where verification rows cost about
+    what decode rows do); given values are kept; dtypes come out resolved."""
     cfg = load_config(None, [])
-    assert (cfg.train.total_steps, cfg.train.prompts_per_step) == (16, 0)
+    assert (cfg.train.total_steps, cfg.train.prompts_per_step, cfg.rollout.max_draft_tokens) == (16, 0, 0)
     for dtype in ("bf16", "fp32"):
         out = resolve_machine_defaults(cfg, {"rollout": dtype, "train": dtype})
         assert out.train.prompts_per_step == DEFAULT_PROMPTS_PER_STEP[dtype] and out.train.total_steps == 16
-        assert out.rollout.dtype == out.train.dtype == dtype and out.rollout == dataclasses.replace(cfg.rollout, dtype=dtype)
+        assert out.rollout == dataclasses.replace(cfg.rollout, dtype=dtype, max_draft_tokens=DEFAULT_MAX_DRAFT_TOKENS[dtype])
+        assert out.train.dtype == dtype
     assert DEFAULT_PROMPTS_PER_STEP["fp32"] < DEFAULT_PROMPTS_PER_STEP["bf16"]
-    given = load_config(None, ["train.prompts_per_step=3", "rollout.dtype=bf16"])
+    assert DEFAULT_MAX_DRAFT_TOKENS["fp32"] < DEFAULT_MAX_DRAFT_TOKENS["bf16"]
+    given = load_config(None, ["train.prompts_per_step=3", "rollout.dtype=bf16", "rollout.max_draft_tokens=9"])
     out = resolve_machine_defaults(given, {"rollout": "bf16", "train": "fp32"})
     assert (out.train.prompts_per_step, out.train.dtype, out.rollout.dtype) == (3, "fp32", "bf16")
+    assert out.rollout.max_draft_tokens == 9
 
 
 def test_resolve_dtype(monkeypatch):

@@ -40,6 +40,7 @@ from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.checkpoint import latest_checkpoint
 from rhymerl.rl.losses import entropy_from_logits
+from rhymerl.rl.run_settings import DEFAULT_MAX_DRAFT_TOKENS
 from rhymerl.history import HistoryStore
 from rhymerl.tasks.prompt_file import read_prompt_file
 
@@ -145,7 +146,7 @@ def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float)
 
 def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
         num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=32, history_from=None, repeats=3, epoch_seeds=1, device=None,
+        seed=0, draft_rule="cost", max_draft_tokens=None, history_from=None, repeats=3, epoch_seeds=1, device=None,
         reward_aware=False) -> dict:
     if repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {repeats}")
@@ -156,6 +157,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
         run_history, ckpt = history_of_run(history_from)
         model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
+    max_draft_tokens = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS[dtype]  # as a training run in this dtype
     separate_fp32 = bool(identity_prompts) and dtype != "fp32"  # progress: the stages below, counted
     per_temp = (run_history is None) + (2 + reward_aware) * epoch_seeds * repeats + 1 + separate_fp32 + bool(identity_prompts)
     progress = Progress("spec", 3 + separate_fp32 + bool(identity_prompts) + len(temperatures) * per_temp)
@@ -322,7 +324,7 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     progress.done()
     return {"model": model_name, "dtype": dtype, **device_fields(device),
             "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
-            "max_tokens": max_tokens, "draft_rule": draft_rule, "reward_aware_drafting": reward_aware,
+            "max_tokens": max_tokens, "draft_rule": draft_rule, "max_draft_tokens": max_draft_tokens, "reward_aware_drafting": reward_aware,
             "repeats": repeats,
             "epoch_seeds": epoch_seeds, "ceiling": ceiling,
             "data": f"history-from:{history_from}" if history_from else (f"builtin:{data or 'arithmetic'}" if data is None or data in BUILTIN_TASKS else data),

@@ -127,7 +127,9 @@ def add_parser(sub) -> None:
                     help="max_completion_length of the identity check")
     bs.add_argument("--draft-rule", default="cost", choices=DRAFT_RULES,
                     help="per-sequence draft length rule (the step budget applies to all)")
-    bs.add_argument("--max-draft-tokens", type=int, default=32, help="draft tokens per sequence and step, at most")
+    bs.add_argument("--max-draft-tokens", type=positive_int, default=None,
+                    help="draft tokens per sequence and step, at most (default: as rollout.max_draft_tokens=0, by "
+                         "the dtype: 32 in bf16, 4 in fp32)")
     bs.add_argument("--seed", type=int, default=0, help="history epoch samples with seed + 1000, the timed epoch with seed + 2000")
     bs.add_argument("--history-from", default=None, metavar="RUN_DIR",
                     help="draft from a training run's saved history (and use its policy and prompts)")

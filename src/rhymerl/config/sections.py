@@ -190,7 +190,9 @@ class RolloutSection(_Section):
                       "(CUDA, CPUs with AVX-512 or AMX), else fp32", DTYPES)
     history_rollouts: int = _opt(4, "rollouts kept per prompt by the history store (drafting source)",
                                  check=">= 1")
-    max_draft_tokens: int = _opt(32, "longest draft proposed per step", check=">= 1")
+    max_draft_tokens: int = _opt(0, "longest draft proposed per sequence and step; 0 = by the machine: 32 where "
+                                 "the rollout runs in bf16, 4 in fp32 (where a verification row costs about what a "
+                                 "decode row does)", check=">= 0")
     draft_rule: str = _opt("cost", "per-sequence draft length: cost = full trees, the step budget alone decides; "
                            "aimd = the paper's +2 / back to 2; doubling = x2 / halve", DRAFT_RULES)
     backend: str = _opt("local", "where rollout workers run: local = one worker in this process, no services; "

@@ -39,15 +39,23 @@ def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict
 # batch.
 DEFAULT_PROMPTS_PER_STEP = {"bf16": 4, "fp32": 2}
 
+# rollout.max_draft_tokens left at 0, by what the rollout computes in. In fp32 on a CPU a verification row costs
+# nearly what a decode row does, and drafts capped at 4 tokens measured ahead of the budget's uncapped trees:
+# bench spec --dtype fp32, T=0.3, 1.17x against 1.09x plain on held-out prompts and on countdown (notebook
+# 2026-11-26, bdd48d4 and 2ebf784); in bf16 with AMX the deep tails gain 2.3x-2.6x (2026-11-25).
+DEFAULT_MAX_DRAFT_TOKENS = {"bf16": 32, "fp32": 4}
+
 
 def resolve_machine_defaults(cfg: TrainConfig, dtypes: dict[str, str]) -> TrainConfig:
     """`cfg` with what depends on the machine made explicit, once at the start of a run: `rollout.dtype` and
-    `train.dtype` as `run_dtypes` resolved them, and `train.prompts_per_step` left at 0 by the update's dtype
-    (DEFAULT_PROMPTS_PER_STEP). The run uses and saves this config, so its config.yaml says what ran and a
+    `train.dtype` as `run_dtypes` resolved them, `train.prompts_per_step` left at 0 by the update's dtype
+    (DEFAULT_PROMPTS_PER_STEP) and `rollout.max_draft_tokens` left at 0 by the rollout's
+    (DEFAULT_MAX_DRAFT_TOKENS). The run uses and saves this config, so its config.yaml says what ran and a
     resume on another kind of machine repeats it."""
     prompts = cfg.train.prompts_per_step or DEFAULT_PROMPTS_PER_STEP[dtypes["train"]]
+    draft = cfg.rollout.max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS[dtypes["rollout"]]
     train = replace(cfg.train, dtype=dtypes["train"], prompts_per_step=prompts)
-    return replace(cfg, rollout=replace(cfg.rollout, dtype=dtypes["rollout"]), train=train)
+    return replace(cfg, rollout=replace(cfg.rollout, dtype=dtypes["rollout"], max_draft_tokens=draft), train=train)
 
 
 def worker_config(cfg: TrainConfig, model_dir: Path, dtype: str, device: str) -> WorkerConfig:
