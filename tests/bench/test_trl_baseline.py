@@ -23,10 +23,10 @@ def test_one_trl_step_is_timed_and_logged(tmp_path):
     problems = make_problems(4, 0)
     prompts = [[{"role": "user", "content": prompt_text(p)}] for p in problems]
     truths = [str(p.answer) for p in problems]
-    seen: list[tuple[list[str], list[str]]] = []
+    seen: list[tuple[list[str], list[str], list[bool]]] = []
 
-    def reward(texts, gts):
-        seen.append((texts, gts))
+    def reward(texts, gts, finished):
+        seen.append((texts, gts, finished))
         return [1.0 if gt in text else 0.0 for text, gt in zip(texts, gts)]
 
     run = run_trl_grpo(model_dir, prompts, truths, reward, num_generations=2, prompts_per_step=2,
@@ -38,8 +38,9 @@ def test_one_trl_step_is_timed_and_logged(tmp_path):
     assert 0 < run.completion_length[0] <= 16
     # One reward call for the step's 2 prompts x 2 completions: plain texts, each with its prompt's answer.
     assert len(seen) == 1
-    texts, gts = seen[0]
+    texts, gts, finished = seen[0]
     assert len(texts) == 4 and all(isinstance(t, str) for t in texts)
+    assert len(finished) == 4 and all(isinstance(f, bool) for f in finished)  # cut off at 16 tokens or not
     assert set(gts) <= set(truths) and len(set(gts)) == 2  # the 4 problems' answers are distinct
     assert run.reward_mean[0] == pytest.approx(sum(gt in t for t, gt in zip(texts, gts)) / 4)
     assert run.trl_version

@@ -105,6 +105,18 @@ def test_scorer_default_with_format_weight():
     assert batch.errors == 0 and batch.error_messages == []
 
 
+def test_a_completion_cut_off_at_the_length_limit_earns_no_format_reward():
+    """Its text cannot tell: a response cut off inside a repeated '#### ...' line ends with one (the default
+    job learned exactly that, notebook 2026-11-26); correctness is still scored."""
+    looping = "#### 4\n#### 4\n#### 4"
+    batch = RewardScorer(format_weight=0.5).score([looping, looping, "#### 5"], [example()] * 3,
+                                                  finished=[False, True, False])
+    assert batch.formatted == [0.0, 1.0, 0.0] and batch.correct == [1.0, 1.0, 0.0]
+    assert batch.rewards == [1.0, 1.5, 0.0]
+    with pytest.raises(ValueError, match="2 finished flags"):
+        RewardScorer().score(["a"] * 3, [example()] * 3, finished=[True, False])
+
+
 def test_scorer_counts_failing_functions():
     def fn(completion, ground_truth, data_source, prompt):
         if completion == "raise":

@@ -103,8 +103,9 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
             examples = builtin_examples("arithmetic", num_prompts, seed)
             scorer = RewardScorer(format_weight)
 
-            def reward_fn(texts: list[str], truths: list[str]) -> list[float]:
-                return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths]).rewards
+            def reward_fn(texts: list[str], truths: list[str], finished: list[bool]) -> list[float]:
+                return scorer.score(texts, [Example("", t, "arithmetic", "trl") for t in truths],
+                                    finished=finished).rewards
 
             progress.stage(f"TRL GRPOTrainer: {steps} steps", units=steps)
             trl = run_trl_grpo(model_dir, [ex.messages() for ex in examples], [ex.ground_truth for ex in examples],

@@ -42,16 +42,19 @@ class TRLRun:
     trl_version: str
 
 
-def _reward_adapter(reward_fn: Callable[[list[str], list[str]], list[float]]):
-    """Wrap `reward_fn(completions_text, ground_truths)` in TRL's reward-function signature.
+def _reward_adapter(reward_fn: Callable[[list[str], list[str], list[bool]], list[float]], max_completion_length: int):
+    """Wrap `reward_fn(completions_text, ground_truths, finished)` in TRL's reward-function signature.
 
-    TRL calls it with `prompts`, `completions` (lists of message dicts for conversational prompts) and each
-    dataset column as a keyword, repeated once per completion; the ground truth travels in `ground_truth`.
+    TRL calls it with `prompts`, `completions` (lists of message dicts for conversational prompts),
+    `completion_ids` and each dataset column as a keyword, repeated once per completion; the ground truth
+    travels in `ground_truth`. A completion of max_completion_length tokens counts as cut off (not finished),
+    as rhymerl's rollout reports it (one that ended with EOS exactly at the limit is rare and counted so too).
     """
 
-    def reward(completions, ground_truth, **_):
+    def reward(completions, ground_truth, completion_ids, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(r) for r in reward_fn(texts, list(ground_truth))]
+        finished = [len(ids) < max_completion_length for ids in completion_ids]
+        return [float(r) for r in reward_fn(texts, list(ground_truth), finished)]
 
     return reward
 
@@ -100,7 +103,7 @@ def _time_generate(model, timer: _StepTimer) -> None:
 
 
 def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths: list[str],
-                 reward_fn: Callable[[list[str], list[str]], list[float]], *,
+                 reward_fn: Callable[[list[str], list[str], list[bool]], list[float]], *,
                  num_generations: int, prompts_per_step: int, micro_batch_size: int,
                  max_completion_length: int, learning_rate: float, steps: int,
                  dtype: str = "fp32", seed: int = 0, temperature: float = 1.0,
@@ -110,7 +113,7 @@ def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths
     """Train `model_dir` for `steps` optimizer steps with TRL's GRPOTrainer and time every step.
 
     prompts are chat messages (TRL applies the model's chat template); ground_truths[i] belongs to
-    prompts[i] and reaches `reward_fn(completions_text, ground_truths)` per completion. Each step samples
+    prompts[i] and reaches `reward_fn(completions_text, ground_truths, finished)` per completion. Each step samples
     `prompts_per_step` prompts x `num_generations` completions in one `generate` call, then accumulates
     gradients over micro-batches of `micro_batch_size` completions and takes one AdamW step.
 
@@ -189,7 +192,7 @@ def run_trl_grpo(model_dir: str | Path, prompts: list[list[dict]], ground_truths
     timer = _StepTimer()
     trainer = GRPOTrainer(
         model=str(model_dir),  # a local directory: TRL loads model and tokenizer from it, no Hub involved
-        reward_funcs=_reward_adapter(reward_fn),
+        reward_funcs=_reward_adapter(reward_fn, max_completion_length),
         args=config,
         train_dataset=dataset,
         callbacks=[timer],

@@ -163,7 +163,8 @@ class TrainingRun:
         outs = result.outputs
         t0 = time.perf_counter()
         scored = self.scorer.score([o.text for o in outs], [p.example for p in prompts for _ in range(G)],
-                                   lengths=[len(o.token_ids) for o in outs])
+                                   lengths=[len(o.token_ids) for o in outs],
+                                   finished=[o.finish_reason != "length" for o in outs])
         if scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
             raise RewardFunctionError(f"step {step + 1}: the reward failed on every completion ({len(outs)}); "
                                       f"the first: {scored.error_messages[0]}")
@@ -250,7 +251,8 @@ class TrainingRun:
         v = self.cfg.val
         params = SamplingParams(temperature=v.temperature, max_tokens=v.max_completion_length, seed=self.cfg.run.seed)
         result = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
-        scored = self.scorer.score([o.text for o in result.outputs], [p.example for p in self.val_prompts])
+        scored = self.scorer.score([o.text for o in result.outputs], [p.example for p in self.val_prompts],
+                                   finished=[o.finish_reason != "length" for o in result.outputs])
         for p, o, rew in zip(self.val_prompts, result.outputs, scored.rewards):
             self.pool.record(p.ids, [o.token_ids], [rew])
         m = val_metrics(scored, result)

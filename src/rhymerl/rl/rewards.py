@@ -222,16 +222,21 @@ class RewardScorer:
         f = self.functions[index]
         return _number(self.worker.call(index, kwargs) if self.worker is not None else f.fn(**kwargs))
 
-    def score(self, completions: list[str], examples: list[Example],
-              lengths: Sequence[int] | None = None) -> RewardBatch:
+    def score(self, completions: list[str], examples: list[Example], lengths: Sequence[int] | None = None,
+              finished: Sequence[bool] | None = None) -> RewardBatch:
         """One reward per completion; completions[i] answers examples[i] and has lengths[i] tokens. The overlong
         penalty applies where lengths are given (training rollouts; validation, scored without them, measures
-        answers rather than lengths, as max_completion_length is the rollout's). Raises ValueError when the
-        lists differ in length, and RewardTimeoutError when a function is stuck (see the class docstring)."""
-        if len(completions) != len(examples) or (lengths is not None and len(lengths) != len(completions)):
+        answers rather than lengths, as max_completion_length is the rollout's). `finished[i]` False: the
+        completion was cut off at the length limit, and earns no format reward (its text, decoded without
+        special tokens, cannot say so itself; without this, the default job learned to repeat "####" lines
+        until cut off: notebook 2026-11-26); None: every one finished. Raises ValueError when the lists differ
+        in length, and RewardTimeoutError when a function is stuck (see the class docstring)."""
+        if len(completions) != len(examples) or any(x is not None and len(x) != len(completions)
+                                                     for x in (lengths, finished)):
             raise ValueError(f"{len(completions)} completions for {len(examples)} examples"
-                             f"{'' if lengths is None else f' and {len(lengths)} lengths'}; expected one example "
-                             f"(and length) per completion")
+                             f"{'' if lengths is None else f' and {len(lengths)} lengths'}"
+                             f"{'' if finished is None else f' and {len(finished)} finished flags'}; expected one "
+                             f"example (and length, and flag) per completion")
         batch = RewardBatch([], [], [], by_function={f.name: [] for f in self.functions})
         for k, (completion, example) in enumerate(zip(completions, examples)):
             failed, correct = False, 0.0
@@ -253,7 +258,7 @@ class RewardScorer:
                     batch.by_function[f.name].append(value)
                 correct += value * (f.weight if f is not None else 1.0)
             batch.errors += failed
-            formatted = format_reward(completion)
+            formatted = format_reward(completion) if finished is None or finished[k] else 0.0
             reward = correct + self.format_weight * formatted
             if self.overlong_buffer_len > 0 and lengths is not None:
                 batch.overlong.append(overlong_penalty(lengths[k], self.max_completion_length,
