@@ -6,7 +6,7 @@ import pickle
 import pytest
 from transformers import AutoTokenizer
 
-from rhymerl.bench.spec_bench import history_of_run, load_prompts
+from rhymerl.bench.spec_inputs import history_of_run, load_prompts
 from rhymerl.history import HistoryStore
 
 

@@ -51,6 +51,12 @@ from rhymerl.rollout.factory import make_pool
 from rhymerl.rollout.timeline import append_timeline
 
 
+def finished(outputs) -> list[bool]:
+    """Per output, whether it ended on its own (EOS or a stop string) rather than at the length limit: the
+    scorer gives a cut-off completion no format reward."""
+    return [o.finish_reason != "length" for o in outputs]
+
+
 class TrainingRun:
     """One `rhymerl train` run. `cost_model` fixes HistoSpec's forward-cost model instead of measuring it
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
@@ -164,7 +170,7 @@ class TrainingRun:
         t0 = time.perf_counter()
         scored = self.scorer.score([o.text for o in outs], [p.example for p in prompts for _ in range(G)],
                                    lengths=[len(o.token_ids) for o in outs],
-                                   finished=[o.finish_reason != "length" for o in outs])
+                                   finished=finished(outs))
         if scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
             raise RewardFunctionError(f"step {step + 1}: the reward failed on every completion ({len(outs)}); "
                                       f"the first: {scored.error_messages[0]}")
@@ -252,7 +258,7 @@ class TrainingRun:
         params = SamplingParams(temperature=v.temperature, max_tokens=v.max_completion_length, seed=self.cfg.run.seed)
         result = self._rollout(self.val_prompts, 1, params, f"val-s{step}")
         scored = self.scorer.score([o.text for o in result.outputs], [p.example for p in self.val_prompts],
-                                   finished=[o.finish_reason != "length" for o in result.outputs])
+                                   finished=finished(result.outputs))
         for p, o, rew in zip(self.val_prompts, result.outputs, scored.rewards):
             self.pool.record(p.ids, [o.token_ids], [rew])
         m = val_metrics(scored, result)
