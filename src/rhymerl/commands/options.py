@@ -8,10 +8,12 @@ import argparse
 import torch
 
 from rhymerl.errors import UserError
+from rhymerl.model.fetch import BUILTIN_MODELS, RANDOM_MODELS
 from rhymerl.model.pretrained import DTYPES, default_device
 from rhymerl.process import setup_process
 
-MODEL_HELP = "built-in name, HF directory, .gguf file or hub id"
+MODEL_HELP = (f"built-in name ({', '.join(BUILTIN_MODELS)}; {', '.join(RANDOM_MODELS)}: random weights, "
+              f"for throughput figures only), HF directory, .gguf file or hub id")
 DEVICE_HELP = "cpu or cuda (default: cuda when available)"
 
 

