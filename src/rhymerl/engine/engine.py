@@ -236,7 +236,7 @@ class Engine:
         def draw(live: list[int], nodes: list[int], depths: list[int]):
             return self._draw([seqs[i] for i in live], [starts[i] + n + 1 for i, n in zip(live, nodes)], depths, logits)
 
-        return verify(drafts, draw)
+        return verify(drafts, draw, every_node=self.runner.backend.draws_every_node)
 
     def _draw(self, seqs: list[Sequence], rows: list[int], offsets: list[int], logits: torch.Tensor):
         """Sample one token at each logits row; the draw for output token j of a request depends on

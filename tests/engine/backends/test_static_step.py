@@ -1,0 +1,127 @@
+"""The fixed-shape step that CUDA graphs replay (`static_step.py`), run eagerly on the CPU through the CUDA
+backend with graphs off: the same logits and the same cache as the eager backend, padding that changes
+nothing, and engine outputs equal to the eager engine's with and without HistoSpec."""
+
+import sys
+from types import SimpleNamespace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rhymerl.engine.backends import CudaBackend, EagerBackend
+from rhymerl.engine.backends.static_step import StaticShapes, bucket_of, buckets
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from rhymerl.engine.sampling_params import SamplingParams
+from tiny_models import random_prompts, tiny_decoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "histospec"))
+from test_histospec import FLAT, history_of, peaky  # noqa: E402
+
+
+def test_buckets_round_up_to_powers_of_two_and_the_limit():
+    assert buckets(12) == [1, 2, 4, 8, 12]
+    assert buckets(64, 64) == [64] and buckets(1) == [1]
+    assert buckets(300, 64) == [64, 128, 256, 300]
+    assert bucket_of(5, [1, 2, 4, 8, 12]) == 8 and bucket_of(13, [1, 2, 4, 8, 12]) is None
+
+
+def runners(arch="llama", slots=8, max_len=96, scratch=8, dtype=torch.float32):
+    """(model, eager runner, static runner): two runners, each over its own cache, on the same model."""
+    model = tiny_decoder(arch, dtype)
+    c = model.cfg
+
+    def cache():
+        return KVCache(c.num_layers, slots, max_len, c.num_kv_heads, c.head_dim, dtype, "cpu", scratch)
+
+    eager = ModelRunner(model, cache(), fused=False)
+    static = ModelRunner(model, cache(), fused=False)
+    static.backend = CudaBackend(model, static.cache, graphs=False)
+    assert isinstance(eager.backend, EagerBackend) and not isinstance(eager.backend, CudaBackend)
+    return model, eager, static
+
+
+def both(eager, static, inputs):
+    a, b = eager.run(inputs), static.run(inputs)
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    return a
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-d64"])
+def test_decode_and_tree_steps_match_the_eager_backend(arch):
+    model, eager, static = runners(arch)
+    prompts = random_prompts(4, lo=5, hi=20, seed=3)
+    slots = [0, 2, 3, 6]  # rows 1, 4, 5 (and 7 of the 8-row bucket) are padding
+    both(eager, static, [SlotInput(s, 0, p[:-1]) for s, p in zip(slots, prompts)])  # prefill: eager on both
+    assert static.backend.replays == 0 and static.backend.eager_steps == 1
+    # a decode step: one token per row
+    both(eager, static, [SlotInput(s, len(p) - 1, p[-1:]) for s, p in zip(slots, prompts)])
+    assert static.backend.replays == 1
+    # a verification step: trees of 1, 4 and 7 tokens beside a plain row, over the committed prefixes
+    trees = [([-1], 1), ([-1, 0, 1, 2], 4), ([-1, 0, 0, 1, 1, 2, 3], 7), ([-1], 1)]
+    inputs = [SlotInput(s, len(p), [7 + k for k in range(n)], parents)
+              for s, p, (parents, n) in zip(slots, prompts, trees)]
+    both(eager, static, inputs)
+    # the cache's live part agrees: committed prefixes and this step's tree nodes
+    for s, p, (_, n) in zip(slots, prompts, trees):
+        torch.testing.assert_close(static.cache.kv[:, s, :, : len(p) + n], eager.cache.kv[:, s, :, : len(p) + n],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_padding_leaves_every_other_cache_position_as_it_was():
+    model, _, static = runners()
+    kv = static.cache.kv
+    kv.copy_(torch.randn_like(kv))  # stale keys/values everywhere: padding must write none of them
+    before = kv.clone()
+    inputs = [SlotInput(1, 10, [5]), SlotInput(4, 20, [6, 7, 8], [-1, 0, 0])]
+    static.run(inputs)
+    assert static.backend.replays == 1
+    written = torch.zeros(kv.shape[1], kv.shape[3], dtype=torch.bool)
+    written[1, 10] = True
+    written[4, 20:23] = True
+    # [slots, positions, layers, 2KV, D]: every (slot, position) pair but the written ones is untouched
+    assert torch.equal(kv.permute(1, 3, 0, 2, 4)[~written], before.permute(1, 3, 0, 2, 4)[~written])
+    assert not torch.equal(kv[:, 4, :, 20:23], before[:, 4, :, 20:23])
+
+
+def test_shapes_send_prefill_and_copied_prefixes_to_the_eager_path():
+    model, _, static = runners(slots=8, max_len=96, scratch=8)
+    shapes = static.backend.shapes
+    assert shapes.rows == [1, 2, 4, 8] and shapes.tokens == [1, 2, 4, 8, 9] and shapes.keys == [64, 104]
+
+    def step(inputs):
+        return SimpleNamespace(inputs=inputs)
+
+    assert shapes.of(step([SlotInput(2, 30, [1])])) == (4, 1, 64)
+    assert shapes.of(step([SlotInput(0, 70, [1] * 9), SlotInput(5, 3, [1])])) == (8, 9, 104)
+    assert shapes.of(step([SlotInput(0, 0, [1] * 10)])) is None  # a prefill chunk
+    assert shapes.of(step([SlotInput(1, 8, [1], prefix_from=0)])) is None  # copies slot 0's prefix
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_outputs_equal_the_eager_engine(temperature):
+    """Plain and HistoSpec decoding through the static steps give the eager engine's tokens (fp32)."""
+    model = peaky(tiny_decoder("llama-d64"))
+    prompts = random_prompts(5, seed=11)
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=3)
+    history = history_of(model, prompts, params)
+    batch = [p for p in prompts for _ in range(2)]
+    ids = [f"p{i}-g{g}" for i in range(5) for g in range(2)]
+
+    def engine(spec, static):
+        e = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], speculative=spec,
+                   history=history if spec == "histospec" else None, cost_model=FLAT, max_draft_tokens=8)
+        if static:
+            e.runner.backend = CudaBackend(model, e.cache, graphs=False)
+        return e
+
+    reference = engine("off", False).generate(batch, params, request_ids=ids)
+    for spec in ("off", "histospec"):
+        e = engine(spec, True)
+        outs = e.generate(batch, params, request_ids=ids)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+        for a, b in zip(outs, reference):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+        assert e.runner.backend.replays > e.runner.backend.eager_steps
