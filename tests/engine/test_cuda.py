@@ -85,19 +85,20 @@ def test_histospec_on_cuda_is_token_identical_to_plain(temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replays_give_the_eager_static_steps_logits(dtype):
-    """The same decode and verification steps, replayed from CUDA graphs and run eagerly (graphs=False), on
+    """The same decode and verification steps, replayed from CUDA graphs and run eagerly ("static"), on
     two caches: the same logits (a replay runs the captured kernels on the refilled buffers) and the same
     cache contents; a second step of the same shape replays without a new capture."""
     model = tiny_decoder("llama-d64", dtype).to("cuda")
     c = model.cfg
     prompts = random_prompts(3, lo=6, hi=20, seed=4)
     runners = []
-    for graphs in (True, False):
+    for mode in ("graphs", "static"):
         cache = KVCache(c.num_layers, 4, 96, c.num_kv_heads, c.head_dim, dtype, "cuda", 8)
         runner = ModelRunner(model, cache)
-        runner.backend = CudaBackend(model, cache, graphs=graphs)
-        runner.run([SlotInput(s, 0, p[:-1]) for s, p in zip((0, 1, 3), prompts)])  # prefill: eager
+        runner.backend = CudaBackend(model, cache, mode)
+        runner.run([SlotInput(s, 0, p[:-1], logits_from=len(p) - 2) for s, p in zip((0, 1, 3), prompts)])  # prefill
         runners.append(runner)
+    captured = runners[0].backend.captured
     steps = [[SlotInput(s, len(p) - 1, p[-1:]) for s, p in zip((0, 1, 3), prompts)],  # decode
              [SlotInput(0, len(prompts[0]), [5, 6, 7, 8], [-1, 0, 0, 1]),  # verification: trees and a plain row
               SlotInput(1, len(prompts[1]), [9]), SlotInput(3, len(prompts[2]), [4, 3], [-1, 0])],
@@ -108,12 +109,12 @@ def test_graph_replays_give_the_eager_static_steps_logits(dtype):
         torch.testing.assert_close(graphed, eager, **tol)
     torch.testing.assert_close(runners[0].cache.kv, runners[1].cache.kv, **tol)
     backend = runners[0].backend
-    assert backend.captured == 2 and backend.replays == 1 and backend.eager_steps == 1
+    assert backend.captured == captured + 2 and backend.replays == 1 and backend.eager_parts == 0
 
 
 def test_a_cuda_model_runs_the_cuda_backend():
-    """select_backend gives a CUDA model the CUDA backend (graphs for decoding, eager prefill) and no CPU
-    kernels; its logits are the eager CPU forward's."""
+    """select_backend gives a CUDA model the CUDA backend (CUDA graphs) and no CPU kernels; its logits are the
+    eager CPU forward's."""
     cpu = tiny_decoder("llama")
     gpu = copy.deepcopy(cpu).to("cuda")
     c = cpu.cfg
@@ -124,7 +125,8 @@ def test_a_cuda_model_runs_the_cuda_backend():
         runner = ModelRunner(model, cache, fused=False)
         logits[name] = runner.run([SlotInput(1, 0, prompt)]).cpu()
     runner = ModelRunner(gpu, KVCache(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim, torch.float32, "cuda"))
-    assert isinstance(runner.backend, CudaBackend) and runner.ops is None
+    assert isinstance(runner.backend, CudaBackend) and runner.ops is None and runner.backend.mode == "graphs"
+    assert ModelRunner(gpu, runner.cache, fused=False).backend.mode == "eager"
     torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=1e-4, rtol=1e-4)
 
 

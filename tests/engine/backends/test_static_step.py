@@ -3,14 +3,13 @@ backend with graphs off: the same logits and the same cache as the eager backend
 nothing, and engine outputs equal to the eager engine's with and without HistoSpec."""
 
 import sys
-from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
 from rhymerl.engine.backends import CudaBackend, EagerBackend
-from rhymerl.engine.backends.static_step import StaticShapes, bucket_of, buckets
+from rhymerl.engine.backends.static_step import bucket_of, buckets
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
@@ -38,7 +37,7 @@ def runners(arch="llama", slots=8, max_len=96, scratch=8, dtype=torch.float32):
 
     eager = ModelRunner(model, cache(), fused=False)
     static = ModelRunner(model, cache(), fused=False)
-    static.backend = CudaBackend(model, static.cache, graphs=False)
+    static.backend = CudaBackend(model, static.cache, "static")
     assert isinstance(eager.backend, EagerBackend) and not isinstance(eager.backend, CudaBackend)
     return model, eager, static
 
@@ -54,11 +53,12 @@ def test_decode_and_tree_steps_match_the_eager_backend(arch):
     model, eager, static = runners(arch)
     prompts = random_prompts(4, lo=5, hi=20, seed=3)
     slots = [0, 2, 3, 6]  # rows 1, 4, 5 (and 7 of the 8-row bucket) are padding
-    both(eager, static, [SlotInput(s, 0, p[:-1]) for s, p in zip(slots, prompts)])  # prefill: eager on both
-    assert static.backend.replays == 0 and static.backend.eager_steps == 1
+    # prefill, last logits only: chains of more than 9 tokens gathered, the shorter ones by slot
+    both(eager, static, [SlotInput(s, 0, p[:-1], logits_from=len(p) - 2) for s, p in zip(slots, prompts)])
+    assert static.backend.replays == 2 and static.backend.eager_parts == 0
     # a decode step: one token per row
     both(eager, static, [SlotInput(s, len(p) - 1, p[-1:]) for s, p in zip(slots, prompts)])
-    assert static.backend.replays == 1
+    assert static.backend.replays == 3
     # a verification step: trees of 1, 4 and 7 tokens beside a plain row, over the committed prefixes
     trees = [([-1], 1), ([-1, 0, 1, 2], 4), ([-1, 0, 0, 1, 1, 2, 3], 7), ([-1], 1)]
     inputs = [SlotInput(s, len(p), [7 + k for k in range(n)], parents)
@@ -90,14 +90,32 @@ def test_shapes_send_prefill_and_copied_prefixes_to_the_eager_path():
     model, _, static = runners(slots=8, max_len=96, scratch=8)
     shapes = static.backend.shapes
     assert shapes.rows == [1, 2, 4, 8] and shapes.tokens == [1, 2, 4, 8, 9] and shapes.keys == [64, 104]
+    assert shapes.chains == [16, 32, 64, 104]
+    assert shapes.of([SlotInput(2, 30, [1])]) == (False, 4, 1, 64)  # by slot: rows 0-3
+    assert shapes.of([SlotInput(0, 70, [1] * 9), SlotInput(5, 3, [1])]) == (False, 8, 9, 104)
+    assert shapes.of([SlotInput(6, 0, [1] * 10, logits_from=9)]) == (True, 1, 16, 64)  # a prefill, gathered
+    assert shapes.of([SlotInput(6, 0, [1] * 10)]) is None  # a chain wanting every logit: eager
+    assert shapes.of([SlotInput(6, 90, [1] * 20, logits_from=19)]) is None  # 90 + 32 > capacity 104: eager
+    assert shapes.of([SlotInput(1, 8, [1], prefix_from=0)]) is None  # copies slot 0's prefix
 
-    def step(inputs):
-        return SimpleNamespace(inputs=inputs)
 
-    assert shapes.of(step([SlotInput(2, 30, [1])])) == (4, 1, 64)
-    assert shapes.of(step([SlotInput(0, 70, [1] * 9), SlotInput(5, 3, [1])])) == (8, 9, 104)
-    assert shapes.of(step([SlotInput(0, 0, [1] * 10)])) is None  # a prefill chunk
-    assert shapes.of(step([SlotInput(1, 8, [1], prefix_from=0)])) is None  # copies slot 0's prefix
+def test_a_mixed_step_runs_in_parts_and_keeps_the_step_order():
+    """Prefill chains, decode rows and prefix copiers in one step (an admission step of a GRPO rollout): the
+    eager backend's logits, in the step's order, and its cache."""
+    model, eager, static = runners("qwen2", slots=8)
+    a, b, c = random_prompts(3, lo=14, hi=24, seed=9)
+    warm = [SlotInput(0, 0, a[:-1], logits_from=len(a) - 2), SlotInput(3, 0, b[:-1], logits_from=len(b) - 2)]
+    both(eager, static, warm)
+    step = [SlotInput(0, len(a) - 1, a[-1:]),  # decode
+            SlotInput(1, 0, c, logits_from=len(c) - 1),  # a prefill, gathered
+            SlotInput(2, 12, c[12:], logits_from=len(c) - 13, prefix_from=1),  # copies c's prefix from slot 1
+            SlotInput(3, len(b) - 1, b[-1:] + [4, 5], [-1, 0, 0]),  # a draft tree
+            SlotInput(5, 10, a[10:], logits_from=len(a) - 11, prefix_from=0)]  # copies a's prefix from slot 0
+    logits = both(eager, static, step)
+    assert logits.shape[0] == 1 + 1 + 1 + 3 + 1
+    for s, n in ((0, len(a)), (1, len(c)), (2, len(c)), (3, len(b) + 2), (5, len(a))):
+        torch.testing.assert_close(static.cache.kv[:, s, :, :n], eager.cache.kv[:, s, :, :n], atol=1e-5, rtol=1e-5)
+    assert static.backend.eager_parts == 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -114,7 +132,7 @@ def test_engine_outputs_equal_the_eager_engine(temperature):
         e = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], speculative=spec,
                    history=history if spec == "histospec" else None, cost_model=FLAT, max_draft_tokens=8)
         if static:
-            e.runner.backend = CudaBackend(model, e.cache, graphs=False)
+            e.runner.backend = CudaBackend(model, e.cache, "static")
         return e
 
     reference = engine("off", False).generate(batch, params, request_ids=ids)
@@ -124,4 +142,4 @@ def test_engine_outputs_equal_the_eager_engine(temperature):
         assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
         for a, b in zip(outs, reference):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
-        assert e.runner.backend.replays > e.runner.backend.eager_steps
+        assert e.runner.backend.replays > 0 and e.runner.backend.eager_parts == 0

@@ -3,13 +3,16 @@
 - `eager` (`eager.py`): `Decoder.forward_packed` with SDPA attention over the cache; every device. The
   reference of the others, and the fallback.
 - `cpu` (`cpu.py`): the fused C++ kernels (`native.py`, `kernels/`), fp32 and bf16 on a CPU.
-- `cuda` (`cuda.py`): for now the eager forward, synchronised; the place for CUDA graphs.
+- `cuda` (`cuda.py`): steps replayed from CUDA graphs (`RHYMERL_CUDA_GRAPHS=0` or `fused=False`: the eager
+  forward, synchronised).
 
 `select_backend` is the one spot that chooses. A backend offers `forward(step)`, `commit` and `move`
 (`base.Backend`); the engine reaches it through `ModelRunner` (engine/model_runner.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,14 +32,15 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the fused CPU kernels' dtypes
 def select_backend(model: Decoder, cache: KVCache, fused: bool = True) -> Backend:
     """The backend for `model` over `cache` on the model's device:
 
-    - CUDA: `CudaBackend`;
+    - CUDA: `CudaBackend`, replaying CUDA graphs; its eager mode with `fused=False` or RHYMERL_CUDA_GRAPHS=0;
     - CPU: `CpuBackend` where the fused kernels build (`native.ops()`; None after one warning where they
       cannot, and with RHYMERL_NATIVE=0) and take the cache's dtype (fp32, bf16), unless `fused=False`;
     - otherwise (fp16 on a CPU, no kernels, other devices): `EagerBackend`.
     """
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return CudaBackend(model, cache)
+        graphs = fused and os.environ.get("RHYMERL_CUDA_GRAPHS", "1") != "0"
+        return CudaBackend(model, cache, "graphs" if graphs else "eager")
     if fused and device.type == "cpu" and cache.kv.dtype in KERNEL_DTYPES:
         ops = native.ops()
         if ops is not None:

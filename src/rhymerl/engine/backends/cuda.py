@@ -1,12 +1,15 @@
-"""The CUDA backend: decode and verification steps replayed as CUDA graphs, prefill eager.
+"""The CUDA backend: every step replayed from CUDA graphs.
 
 An eager step of a small model is host-bound on a GPU: every layer launches a dozen small kernels from
 Python (~41 ms per forward for a 135M model on an H100, as slow as transformers `generate`). A CUDA graph
-launches them all at once. Each step shape (B rows, T tokens per row, L keys: `static_step.StaticShapes`)
-gets its graph the first time it occurs, captured over that shape's persistent buffers
-(`static_step.StaticStep`); a later step of the same shape fills the buffers and replays. Prefill chunks and
-copied prompt prefixes run eagerly (`EagerBackend`, SDPA over the cache), as does every step with
-`graphs=False` (how the tests run this class on a CPU).
+launches them all at once. A step is cut into parts of one kind each (`_parts`): prefill chains and small
+trees (decode, verification), and the sequences that copy a shared prompt prefix after the others, once the
+copy is made. Each part's shape (`static_step.StaticShapes`) gets its graph the first time it occurs,
+captured over that shape's persistent buffers (`static_step.StaticStep`); a later part of the same shape fills
+the buffers and replays. What fits no bucket runs eagerly (`EagerBackend`, SDPA over the cache).
+
+Modes: "graphs" (the default); "static", the same parts and buffers run eagerly, no capture (how the tests
+run this class on a CPU); "eager", every step through `EagerBackend` (`RHYMERL_CUDA_GRAPHS=0`, the baseline).
 
 Every forward ends with `torch.cuda.synchronize`: callers time it (the speculator's cost model, `forward_s`),
 and the sampler reads the logits on the host right after anyway.
@@ -14,6 +17,9 @@ and the sampler reads the logits on the host right after anyway.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import torch
 
 from rhymerl.engine.backends.base import Step
@@ -24,52 +30,91 @@ from rhymerl.model.decoder import Decoder
 
 
 class _Graph:
-    """One bucket's buffers and, once captured, its graph and output (logits [B * T, vocab])."""
+    """One bucket's buffers and, once captured, its graph and its output logits."""
 
     def __init__(self, step: StaticStep):
         self.step = step
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph = None  # torch.cuda.CUDAGraph once captured
         self.logits: torch.Tensor | None = None
 
 
+MODES = ("graphs", "static", "eager")
+
+
 class CudaBackend(EagerBackend):
-    """Eager prefill, graphed decode and verification (`graphs=True`, the default on a CUDA device).
-    `captured`: graphs captured so far; `replays`, `eager_steps`: steps of each kind."""
+    """Steps replayed from CUDA graphs where a bucket fits, eager elsewhere; `mode` in MODES (module
+    docstring). `captured`: graphs captured so far; `replays`, `eager_parts`: parts run each way."""
 
     # A GPU samples a whole tree's rows as fast as one, and every wait for the sampler's results is a host
     # synchronisation: draw every draft node at once, one wait per step.
     draws_every_node = True
 
-    def __init__(self, model: Decoder, cache: KVCache, graphs: bool | None = None):
+    def __init__(self, model: Decoder, cache: KVCache, mode: str = "graphs"):
+        if mode not in MODES:
+            raise ValueError(f"CudaBackend mode {mode!r}: choose one of {MODES}")
         super().__init__(model, cache)
-        self.graphs = cache.kv.device.type == "cuda" if graphs is None else graphs
+        self.mode = mode
         self.shapes = StaticShapes(cache)
-        self.buckets: dict[tuple[int, int, int], _Graph] = {}
+        self.buckets: dict[tuple[bool, int, int, int], _Graph] = {}
         self.pool = None  # one memory pool for every graph: they never run at the same time
-        self.captured = self.replays = self.eager_steps = 0
+        self.captured = self.replays = self.eager_parts = 0
 
     def forward(self, step: Step) -> torch.Tensor:
-        shape = self.shapes.of(step)
-        if shape is None:
-            self.eager_steps += 1
+        parts = _parts(step.inputs, self.shapes.tree)
+        if self.mode == "eager":
+            self.eager_parts += 1
             logits = super().forward(step)
+        elif len(parts) == 1 and step.inputs[0].prefix_from is None:
+            logits = self._part(step, list(range(len(step.inputs))))
         else:
-            bucket = self.buckets.get(shape)
-            if bucket is None:
-                bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape))
-            index = bucket.step.load(step)
-            logits = self._replay(bucket).index_select(0, index)
-        if self.cache.kv.device.type == "cuda":
+            pieces, order = [], []
+            for part in parts:
+                if step.inputs[part[0]].prefix_from is not None:
+                    self._copy_prefixes([step.inputs[i] for i in part])
+                pieces.append(self._part(step, part))
+                order += part
+            # back to the step's order: the inputs' logit rows, input by input
+            counts = [len(x.tokens) - x.logits_from for x in step.inputs]
+            starts = np.cumsum([0] + [counts[i] for i in order])
+            at = dict(zip(order, starts))
+            index = np.concatenate([at[i] + np.arange(counts[i]) for i in range(len(step.inputs))])
+            logits = torch.cat(pieces).index_select(0, torch.from_numpy(index).to(self.device))
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return logits
 
+    def _part(self, step: Step, part: list[int]) -> torch.Tensor:
+        """Logits of the inputs `part` (indices into the step's; their prefixes, if copied, in place by now)."""
+        whole = len(part) == len(step.inputs) and all(x.prefix_from is None for x in step.inputs)
+        inputs = [replace(step.inputs[i], prefix_from=None) for i in part]
+        trees = [step.trees[i] for i in part]
+        shape = self.shapes.of(inputs)
+        if shape is None:
+            self.eager_parts += 1
+            return super().forward(step if whole else _sub_step(inputs, trees, self.device))
+        bucket = self.buckets.get(shape)
+        if bucket is None:
+            bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape))
+        index = bucket.step.load(inputs, trees)
+        return self._replay(bucket).index_select(0, torch.from_numpy(index).to(self.device))
+
+    def _copy_prefixes(self, inputs: list) -> None:
+        """Each input's first `base` positions from its `prefix_from` slot, in every layer at once."""
+        by_length: dict[int, list] = {}
+        for x in inputs:
+            by_length.setdefault(x.base, []).append(x)
+        for n, xs in by_length.items():
+            dst = torch.tensor([x.slot for x in xs], device=self.device)
+            src = torch.tensor([x.prefix_from for x in xs], device=self.device)
+            self.cache.kv[:, dst, :, :n] = self.cache.kv[:, src, :, :n]
+
     def _replay(self, bucket: _Graph) -> torch.Tensor:
         """Run the bucket's step on its loaded buffers: through its graph, captured on first use."""
-        if not self.graphs:
+        if self.mode == "static":
             self.replays += 1
             return bucket.step.run()
         if bucket.graph is None:
-            self._capture(bucket)  # its warm-up ran this very step: the output is the step's
+            self._capture(bucket)  # computes this very step
             return bucket.logits
         bucket.graph.replay()
         self.replays += 1
@@ -77,8 +122,8 @@ class CudaBackend(EagerBackend):
 
     def _capture(self, bucket: _Graph) -> None:
         """Warm the step up on a side stream (cuBLAS and the allocator set themselves up on first use, which a
-        capture must not contain), then capture it. The warm-up and the capture's replay below compute this
-        same loaded step, so the keys/values they write are the step's own: nothing is clobbered."""
+        capture must not contain), capture it, replay it. The warm-up and the replay compute this same loaded
+        step, so the keys/values they write are the step's own: nothing is clobbered."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -89,5 +134,27 @@ class CudaBackend(EagerBackend):
             bucket.logits = bucket.step.run()
         self.pool = graph.pool()
         bucket.graph = graph
-        graph.replay()  # capturing only records: this computes the step
+        graph.replay()  # capturing only records the kernels: this runs them
         self.captured += 1
+
+
+def _parts(inputs: list, tree: int) -> list[list[int]]:
+    """The step's inputs (indices) in parts of one kind, in the order they must run: prefill chains (longer
+    than `tree` tokens), small trees, then the inputs that copy a prefix (sources hold it by then: a running
+    sequence, or one prefilled in this step, never another copier), chains then trees."""
+    parts: list[list[int]] = [[], [], [], []]
+    for i, x in enumerate(inputs):
+        parts[2 * (x.prefix_from is not None) + (len(x.tokens) <= tree)].append(i)
+    return [p for p in parts if p]
+
+
+def _sub_step(inputs: list, trees: list, device) -> Step:
+    """A Step of these inputs alone, for the eager forward."""
+    tokens = [t for x in inputs for t in x.tokens]
+    positions = np.concatenate([x.base + depth for x, (_, depth) in zip(inputs, trees)])
+    rows, off = [], 0
+    for x in inputs:
+        rows += range(off + x.logits_from, off + len(x.tokens))
+        off += len(x.tokens)
+    logit_rows = None if len(rows) == off else torch.tensor(rows, device=device)
+    return Step(inputs, trees, torch.tensor(tokens, device=device), torch.from_numpy(positions).to(device), logit_rows)
