@@ -110,6 +110,14 @@ def test_graph_replays_give_the_eager_static_steps_logits(dtype):
     torch.testing.assert_close(runners[0].cache.kv, runners[1].cache.kv, **tol)
     backend = runners[0].backend
     assert backend.captured == captured + 2 and backend.replays == 1 and backend.eager_parts == 0
+    # New weights copied in place (RolloutWorker.load_weights) are what the next replay multiplies by
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)
+    inputs = [SlotInput(s, len(p) + 2, [s + 2]) for s, p in zip((0, 1, 3), prompts)]
+    graphed, eager = (r.run(inputs, float_logits=False) for r in runners)
+    torch.testing.assert_close(graphed, eager, **tol)
+    assert backend.replays == 2
 
 
 def test_a_cuda_model_runs_the_cuda_backend():
