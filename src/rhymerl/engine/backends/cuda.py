@@ -17,6 +17,7 @@ and the sampler reads the logits on the host right after anyway.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -36,6 +37,7 @@ class _Graph:
         self.step = step
         self.graph = None  # torch.cuda.CUDAGraph once captured
         self.logits: torch.Tensor | None = None
+        self.failed = False  # the capture raised: run eagerly
 
 
 MODES = ("graphs", "static", "eager")
@@ -114,7 +116,15 @@ class CudaBackend(EagerBackend):
             self.replays += 1
             return bucket.step.run()
         if bucket.graph is None:
-            self._capture(bucket)  # computes this very step
+            if bucket.failed:  # its capture failed once: eager from then on
+                return bucket.step.run()
+            try:
+                self._capture(bucket)  # computes this very step
+            except RuntimeError as e:  # an op that syncs with the host, say: slower, never wrong
+                bucket.failed = True
+                warnings.warn(f"CUDA graph capture of step shape {bucket.step.shape} failed, running it eagerly: {e}")
+                torch.cuda.synchronize(self.device)
+                return bucket.step.run()
             return bucket.logits
         bucket.graph.replay()
         self.replays += 1
@@ -130,7 +140,8 @@ class CudaBackend(EagerBackend):
             bucket.step.run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA calls (a trainer's, a hand-over's) do not break this capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             bucket.logits = bucket.step.run()
         self.pool = graph.pool()
         bucket.graph = graph

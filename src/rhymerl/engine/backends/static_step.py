@@ -90,6 +90,7 @@ class StaticStep:
     def __init__(self, model: Decoder, cache: KVCache, gathered: bool, b: int, t: int, l: int):
         self.model, self.cache = model, cache
         self.gathered, self.b, self.t, self.l = gathered, b, t, l
+        self.shape = (gathered, b, t, l)
         device = cache.kv.device
         n = b * t
         # One host-to-device copy each per step. ints: tokens, rope positions and write positions [N]; each
