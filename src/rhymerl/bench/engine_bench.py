@@ -1,8 +1,15 @@
-"""`rhymerl bench engine`: our engine vs transformers `generate` on the same model, prompts and sampling.
+"""`rhymerl bench engine`: our engine vs transformers `generate` on the same model, prompts and sampling, and
+against the memory-bandwidth bound.
 
 Tokens/s counts generated tokens up to and including EOS (or the length limit). transformers generates a
 batch of `b` prompts at a time, left-padded, until its longest response ends: that is how a CPU user of
-TRL without vLLM rolls out. Our engine runs the same prompts through `b` slots with continuous batching.
+TRL without vLLM rolls out; it runs in the `--hf-modes` asked for (`rhymerl.bench.hf_generate`: eager, static
+KV cache, static cache + torch.compile). Our engine runs the same prompts through `b` slots with continuous
+batching.
+
+The bound: a decoding forward reads every weight once, so it cannot take less than weight bytes / memory
+bandwidth (the bandwidth measured here, by a large copy on the device). At batch b that caps throughput at
+b tokens per such forward; KV-cache reads and idle slots only lower the real figure.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.hf_generate import error_text, hf_generate, mode_keys, parse_hf_modes, warm_up
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
@@ -22,28 +30,55 @@ from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
 
-DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 128}  # 4 requests per slot at 8 and 32, as in an RL rollout (prompts x generations >> slots)
+# 4 requests per slot from batch 8 up, as in an RL rollout (prompts x generations >> slots)
+DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 128, 128: 512}
+DEFAULT_BATCHES = {"cpu": (1, 8, 32), "cuda": (1, 8, 32, 128)}
 
 
-def hf_generate(hf_model, prompts: list[list[int]], batch: int, params: SamplingParams, pad_id: int,
-                eos_ids: list[int]) -> tuple[int, float]:
-    """(generated tokens, seconds) for transformers `generate` over `prompts` in batches of `batch`."""
-    total, t0 = 0, time.perf_counter()
-    torch.manual_seed(params.seed)
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=hf_model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf_model.device)
-        sampling = dict(do_sample=True, temperature=params.temperature, top_k=0, top_p=params.top_p) \
-            if not params.greedy else dict(do_sample=False)
-        with torch.inference_mode():
-            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=params.max_tokens,
-                                    pad_token_id=pad_id, eos_token_id=eos_ids, **sampling)
-        for row in out[:, width:].tolist():
-            ends = [j for j, t in enumerate(row) if t in eos_ids]
-            total += ends[0] + 1 if ends else len(row)
-    return total, time.perf_counter() - t0
+def default_batches(device: str | torch.device) -> list[int]:
+    """The batch sizes run when `--batches` is not given: up to 128 on a GPU, up to 32 on a CPU (where 128
+    slots of 256 tokens would take most of an hour)."""
+    return list(DEFAULT_BATCHES["cuda" if torch.device(device).type == "cuda" else "cpu"])
+
+
+def measure_bandwidth(device: str | torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """The device's memory bandwidth in GB/s (1e9 bytes), measured: the best of `repeats` copies of an
+    `nbytes` tensor (1 GiB on CUDA, 256 MiB on a CPU: far beyond the caches either way), counting the bytes
+    read plus the bytes written."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    nbytes = nbytes or (1 << 30 if cuda else 1 << 28)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # ones, not empty: the pages exist before timing
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    if cuda:
+        torch.cuda.empty_cache()  # hand the 2 GiB back: the engine checks its KV cache against free memory
+    return 2 * nbytes / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decoding forward reads: every parameter once (a tied embedding is one matrix, read
+    in full by the lm_head), except an untied input embedding, of which a forward gathers only its tokens' rows."""
+    seen, total = set(), 0
+    untied_embed = getattr(model, "embed_tokens", None)
+    if untied_embed is not None and untied_embed.weight is getattr(getattr(model, "lm_head", None), "weight", None):
+        untied_embed = None
+    skip = {id(untied_embed.weight)} if untied_embed is not None else set()
+    for p in model.parameters():  # parameters() yields a shared Parameter once
+        if id(p) not in skip and p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
 
 
 def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams, max_model_len: int) -> tuple[int, float, Engine]:
@@ -53,59 +88,122 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine
 
 
-def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=(1, 8, 32), num_prompts: int | None = None,
+def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-        skip_hf: bool = False, device: str | None = None) -> dict:
+        skip_hf: bool = False, device: str | None = None, hf_modes: str | list[str] = "eager") -> dict:
+    """Our engine vs transformers `generate` in each of `hf_modes` (a list, or `--hf-modes`' text; none with
+    `skip_hf`) at each batch size (default: `default_batches` of the device), with the bandwidth bound; the
+    bench's summary (JSON-able)."""
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     except ValueError as e:  # its range checks, naming the field: before the model loads
         raise UserError(f"bench engine: {e} (--temperature, --top-p, --max-tokens)") from None
+    try:
+        hf_modes = parse_hf_modes(hf_modes if isinstance(hf_modes, str) else ",".join(hf_modes), skip_hf)
+    except ValueError as e:
+        raise UserError(f"bench engine: {e}") from None
+    batches = list(batches or default_batches(device or default_device()))
     dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
-    progress = Progress("engine", 2 + (not skip_hf) + len(batches) * (1 + (not skip_hf)))
+    warmed = [m for m in hf_modes if m != "eager"]  # the modes warmed up per batch size
+    progress = Progress("engine", 3 + bool(hf_modes) + len(batches) * (1 + len(hf_modes) + len(warmed)))
     progress.stage(f"loading {model_name} ({dtype})")
     model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
     device = next(model.parameters()).device
-    if not skip_hf:
+    progress.stage(f"measuring the memory bandwidth ({device.type})")
+    bandwidth, wbytes = measure_bandwidth(device), weight_bytes(model)
+    bound_forward_s = wbytes / (bandwidth * 1e9)
+    progress.note(f"{bandwidth:.1f} GB/s, {wbytes / 1e6:.1f} MB of weights: >= {1e3 * bound_forward_s:.3f} ms per forward")
+    if hf_modes:
         progress.stage("loading the transformers model")
-    hf_model = None if skip_hf else \
+    hf_model = None if not hf_modes else \
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).to(device).eval()
     eos_ids = sorted(Engine(model, tokenizer, num_slots=1, max_model_len=8).eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    problems = make_problems(max(max(DEFAULT_PROMPTS.values()), num_prompts or 0), seed=seed)
+    counts = {b: num_prompts or DEFAULT_PROMPTS.get(b, 4 * b) for b in batches}
+    # At least 128 problems, as before batch 128 existed: the same prompt set, hence the same max_model_len.
+    problems = make_problems(max(128, *counts.values()), seed=seed)
     all_prompts = [chat_prompt_ids(tokenizer, prompt_text(p)) for p in problems]
     max_model_len = max(map(len, all_prompts)) + max_tokens
-    # Warm both sides up once (first calls pay for allocator and kernel set-up).
+    # Warm both sides up once (first calls pay for allocator and kernel set-up); the static modes warm up per
+    # batch size below.
     progress.stage("warm-up")
-    warm = all_prompts[:2]
-    ours_generate(model, tokenizer, warm, 2, SamplingParams(temperature=0, max_tokens=8), max_model_len)
-    if hf_model is not None:
-        hf_generate(hf_model, warm, 2, SamplingParams(temperature=0, max_tokens=8), pad_id, eos_ids)
+    warm, greedy8 = all_prompts[:2], SamplingParams(temperature=0, max_tokens=8)
+    ours_generate(model, tokenizer, warm, 2, greedy8, max_model_len)
+    eager_error = None
+    if "eager" in hf_modes:
+        try:
+            hf_generate(hf_model, warm, 2, greedy8, pad_id, eos_ids)
+        except Exception as e:  # reported in every row, not a crash of the whole bench
+            eager_error = error_text(e)
     results = {}
     for b in batches:
-        prompts = all_prompts[: num_prompts or DEFAULT_PROMPTS.get(b, 4 * b)]
+        prompts = all_prompts[: counts[b]]
         progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
         tok, sec, engine = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
-        row = {"prompts": len(prompts), "ours_tokens": tok, "ours_s": round(sec, 2), "ours_tok_s": round(tok / sec, 1),
-               "ours_forwards": engine.stats.forward_passes}
-        if hf_model is not None:
-            progress.stage(f"batch {b}: transformers generate, {len(prompts)} prompts")
-            htok, hsec = hf_generate(hf_model, prompts, b, params, pad_id, eos_ids)
-            row.update(hf_tokens=htok, hf_s=round(hsec, 2), hf_tok_s=round(htok / hsec, 1),
-                       speedup=round((tok / sec) / (htok / hsec), 2))
+        ours_tok_s = tok / sec
+        bound_tok_s = b / bound_forward_s
+        row = {"prompts": len(prompts), "ours_tokens": tok, "ours_s": round(sec, 2), "ours_tok_s": round(ours_tok_s, 1),
+               "ours_forwards": engine.stats.forward_passes,
+               "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
+               "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3)}
+        for mode in hf_modes:
+            row.update(_hf_row(mode, hf_model, prompts, b, params, pad_id, eos_ids, max_model_len, ours_tok_s,
+                               progress, eager_error if mode == "eager" else None))
         results[str(b)] = row
     progress.done()
-    return {"model": model_name, "dtype": dtype, **device_fields(device),
-            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "batches": results}
+    return {"model": model_name, "dtype": dtype, **device_fields(device), "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "hf_modes": hf_modes,
+            "bandwidth_gb_s": round(bandwidth, 1), "weight_bytes": wbytes,
+            "bound_forward_ms": round(1e3 * bound_forward_s, 4), "batches": results}
+
+
+def _hf_row(mode, hf_model, prompts, b, params, pad_id, eos_ids, max_model_len, ours_tok_s, progress, error) -> dict:
+    """One mode's figures at batch `b`, or `{prefix}_error` when the mode fails (its warm-up included)."""
+    prefix, speedup_key = mode_keys(mode)
+    try:
+        if error:
+            raise RuntimeError(error)
+        if mode != "eager":
+            # Untimed and per batch size: a compiled static cache compiles (and captures) per batch shape.
+            progress.stage(f"batch {b}: transformers {mode}, warm-up")
+            warm_up(hf_model, prompts, b, params, pad_id, eos_ids, mode, max_model_len)
+        progress.stage(f"batch {b}: transformers {mode}, {len(prompts)} prompts")
+        htok, hsec = hf_generate(hf_model, prompts, b, params, pad_id, eos_ids, mode, max_model_len)
+    except Exception as e:  # a mode that fails (no compiler, say) is a figure of its own, not a crash
+        progress.note(f"batch {b}: transformers {mode} failed: {error_text(e)}")
+        return {f"{prefix}_error": error or error_text(e)}
+    return {f"{prefix}_tokens": htok, f"{prefix}_s": round(hsec, 2), f"{prefix}_tok_s": round(htok / hsec, 1),
+            speedup_key: round(ours_tok_s / (htok / hsec), 2)}
 
 
 def print_table(summary: dict, console: Console | None = None) -> None:
+    """One row per batch size: ours, each transformers mode and our speedup over it, the bandwidth bound."""
     console = console or table_console()
-    t = Table(title=f"rollout throughput: {summary['model']} {summary['dtype']}, T={summary['temperature']}, "
-                    f"max_tokens={summary['max_tokens']}, {summary.get('gpu') or str(summary['threads']) + ' threads'}")
-    for col in ("batch", "prompts", "ours tok", "ours s", "ours tok/s", "hf tok", "hf s", "hf tok/s", "speedup"):
+    where = summary.get("gpu") or f"{summary['threads']} threads"
+    title = (f"rollout throughput: {summary['model']} {summary['dtype']}, T={summary['temperature']}, "
+             f"max_tokens={summary['max_tokens']}, {where}")
+    if "bandwidth_gb_s" in summary:
+        title += (f"\nbound: {summary['weight_bytes'] / 1e6:.1f} MB of weights / {summary['bandwidth_gb_s']} GB/s "
+                  f"(measured) = {summary['bound_forward_ms']} ms per forward")
+    t = Table(title=title)
+    modes = summary.get("hf_modes", ["eager"])
+    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/fwd"]
+    for mode in modes:
+        cols += [f"hf {mode} tok/s", f"vs {mode}"]
+    for col in cols + ["bound tok/s", "% of bound"]:
         t.add_column(col, justify="right")
+    errors = []
     for b, r in summary["batches"].items():
-        t.add_row(b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_s"]), str(r["ours_tok_s"]),
-                  str(r.get("hf_tokens", "-")), str(r.get("hf_s", "-")), str(r.get("hf_tok_s", "-")),
-                  f"{r['speedup']}x" if "speedup" in r else "-")
+        cells = [b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_tok_s"]), str(r.get("ours_forward_ms", "-"))]
+        for mode in modes:
+            prefix, speedup_key = mode_keys(mode)
+            if f"{prefix}_error" in r:
+                errors.append(f"batch {b}, hf {mode}: {r[f'{prefix}_error']}")
+            cells += [str(r.get(f"{prefix}_tok_s", "error" if f"{prefix}_error" in r else "-")),
+                      f"{r[speedup_key]}x" if speedup_key in r else "-"]
+        of_bound = r.get("ours_of_bound")
+        cells += [str(r.get("bound_tok_s", "-")), f"{100 * of_bound:.1f}%" if of_bound is not None else "-"]
+        t.add_row(*cells)
     console.print(t)
+    for line in errors:
+        console.print(line, markup=False)

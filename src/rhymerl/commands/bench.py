@@ -28,11 +28,12 @@ def _report(module, summary: dict) -> int:
 
 def cmd_bench_engine(args) -> int:
     """`bench engine`: our engine vs transformers generate, per batch size."""
-    batches = number_list(args.batches, "--batches")
+    batches = number_list(args.batches, "--batches") if args.batches else None  # None: by device
     check_dtype(args.dtype)
     setup(args)
     return _report(engine_bench, engine_bench.run(args.model, args.dtype, batches, args.num_prompts, args.max_tokens,
-                                                  args.temperature, args.top_p, args.seed, args.skip_hf, args.device))
+                                                  args.temperature, args.top_p, args.seed, args.skip_hf, args.device,
+                                                  args.hf_modes))
 
 
 def cmd_bench_spec(args) -> int:
@@ -95,13 +96,18 @@ def add_parser(sub) -> None:
     be = bsub.add_parser("engine", help="our engine vs transformers generate", formatter_class=DefaultsHelp)
     be.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     be.add_argument("--dtype", default="auto", help="auto | bf16 | fp32, for both sides (auto: bf16 where native, else fp32)")
-    be.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (slots for our engine)")
-    be.add_argument("--num-prompts", type=positive_int, default=None, help="default: 8 at batch 1, 32 at 8, 128 at 32")
+    be.add_argument("--batches", default=None,
+                    help="comma-separated batch sizes (slots for our engine); default: 1,8,32 on a CPU, 1,8,32,128 on CUDA")
+    be.add_argument("--num-prompts", type=positive_int, default=None,
+                    help="default: 8 at batch 1, 32 at 8, 128 at 32, 512 at 128 (4 x batch)")
     be.add_argument("--max-tokens", type=positive_int, default=256, help="max_completion_length")
     be.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     be.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     be.add_argument("--seed", type=int, default=0, help="sampling seed and prompt-set seed")
-    be.add_argument("--skip-hf", action="store_true", help="only our engine")
+    be.add_argument("--hf-modes", default="eager",
+                    help="comma-separated transformers generate modes: eager, static (static KV cache), compiled "
+                         "(static cache + torch.compile); each warmed up untimed")
+    be.add_argument("--skip-hf", action="store_true", help="only our engine (no --hf-modes)")
     be.add_argument("--device", default=None, help=DEVICE_HELP)
     be.set_defaults(func=cmd_bench_engine)
     bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts",

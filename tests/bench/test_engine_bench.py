@@ -1,0 +1,147 @@
+"""`bench engine`: its figures per transformers mode, the bandwidth bound, the per-device defaults, and a failing
+mode reported in its row rather than ending the bench. Offline and fast: a tiny random Llama with a byte-level
+tokenizer written here (the `compiled` mode is left out: inductor on a CPU takes tens of seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rhymerl import cli
+from rhymerl.bench import engine_bench
+from rhymerl.bench.hf_generate import mode_keys, parse_hf_modes
+from rhymerl.errors import UserError
+
+from tiny_models import tiny_decoder
+
+CHAT = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+OURS = ("prompts", "ours_tokens", "ours_s", "ours_tok_s", "ours_forwards", "ours_forward_ms", "bound_tok_s",
+        "ours_of_bound")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with a byte-level BPE tokenizer (one token a byte) and a plain chat template."""
+    path = tmp_path_factory.mktemp("tiny-bytes")
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", chat_template=CHAT).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=vocab["<eos>"], bos_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _run(model_dir: Path, **kw) -> dict:
+    args = dict(dtype="fp32", batches=[1, 2], num_prompts=3, max_tokens=4, device="cpu", hf_modes="eager,static")
+    return engine_bench.run(str(model_dir), **{**args, **kw})
+
+
+def test_run_reports_every_mode_and_the_bound(model_dir, capsys):
+    # 3 prompts at batch 2: a smaller last batch, which the static mode warms up for as well
+    summary = _run(model_dir)
+    assert summary["hf_modes"] == ["eager", "static"]
+    assert summary["bandwidth_gb_s"] > 0 and summary["weight_bytes"] > 0 and summary["bound_forward_ms"] > 0
+    assert set(summary["batches"]) == {"1", "2"}
+    for b, row in summary["batches"].items():
+        for key in OURS + ("hf_tokens", "hf_s", "hf_tok_s", "speedup",
+                           "hf_static_tokens", "hf_static_s", "hf_static_tok_s", "speedup_vs_static"):
+            assert key in row, (b, key)
+        assert not any(k.endswith("_error") for k in row)
+        assert row["prompts"] == 3 and 0 < row["hf_tokens"] <= 3 * 4 and 0 < row["hf_static_tokens"] <= 3 * 4
+        # from the bandwidth and bytes: bound_forward_ms is rounded to 0.1 us, coarse for so tiny a model
+        bound = int(b) * summary["bandwidth_gb_s"] * 1e9 / summary["weight_bytes"]
+        assert row["bound_tok_s"] == pytest.approx(bound, rel=1e-2)
+        assert row["ours_forward_ms"] > 0
+    json.dumps(summary)  # the bench's last line
+    engine_bench.print_table(summary, Console(width=250, record=True))
+
+
+def test_measure_bandwidth_is_positive():
+    assert engine_bench.measure_bandwidth("cpu", nbytes=1 << 22, repeats=2) > 0
+
+
+def test_default_batches_by_device():
+    assert engine_bench.default_batches("cpu") == [1, 8, 32]
+    assert engine_bench.default_batches("cuda") == [1, 8, 32, 128]
+    assert engine_bench.DEFAULT_PROMPTS[128] == 4 * 128
+
+
+def test_weight_bytes_counts_a_tied_embedding_once_and_skips_an_untied_one():
+    tied = tiny_decoder("llama")
+    every = sum(p.numel() * p.element_size() for p in tied.parameters())  # a shared Parameter is yielded once
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert engine_bench.weight_bytes(tied) == every
+    untied = tiny_decoder("qwen2")
+    embed = untied.embed_tokens.weight
+    every = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert engine_bench.weight_bytes(untied) == every - embed.numel() * embed.element_size()
+
+
+def test_a_failing_mode_is_an_error_entry_not_a_crash(model_dir, monkeypatch):
+    real = engine_bench.hf_generate
+
+    def failing(*args, **kw):
+        mode = args[6] if len(args) > 6 else kw.get("mode", "eager")
+        if mode == "static":
+            raise RuntimeError("no static cache today\nsecond line")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_bench, "hf_generate", failing)
+    monkeypatch.setattr("rhymerl.bench.hf_generate.hf_generate", failing)  # what warm_up calls
+    summary = _run(model_dir, batches=[1], num_prompts=1)
+    row = summary["batches"]["1"]
+    assert row["hf_static_error"] == "RuntimeError: no static cache today"
+    assert "hf_static_tok_s" not in row and "speedup_vs_static" not in row
+    assert row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0
+    console = Console(width=250, record=True)
+    engine_bench.print_table(summary, console)
+    text = console.export_text()
+    assert "error" in text and "no static cache today" in text
+
+
+def test_a_failing_eager_mode_fails_each_row(model_dir, monkeypatch):
+    def failing(*args, **kw):
+        raise OSError("out of something")
+
+    monkeypatch.setattr(engine_bench, "hf_generate", failing)
+    summary = _run(model_dir, hf_modes="eager", max_tokens=2)
+    assert [row["hf_error"] for row in summary["batches"].values()] == ["OSError: out of something"] * 2
+
+
+def test_hf_modes_parsing():
+    assert parse_hf_modes("eager") == ["eager"]
+    assert parse_hf_modes("compiled, static,static") == ["compiled", "static"]
+    assert parse_hf_modes("eager,static", skip_hf=True) == []
+    for bad in ("fast", "", "eager,jit"):
+        with pytest.raises(ValueError, match="--hf-modes"):
+            parse_hf_modes(bad)
+    assert mode_keys("eager") == ("hf", "speedup")
+    assert mode_keys("compiled") == ("hf_compiled", "speedup_vs_compiled")
+    with pytest.raises(UserError, match="--hf-modes"):  # before any model loads
+        engine_bench.run("no-such-model", hf_modes="eager,jit")
+
+
+def test_cli_passes_the_modes_and_leaves_the_batches_to_the_device(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run(*args):
+        seen["args"] = args
+        return {"model": "m", "dtype": "fp32", "device": "cpu", "threads": 1, "max_tokens": 4, "temperature": 1.0,
+                "top_p": 1.0, "hf_modes": [], "batches": {}}
+
+    monkeypatch.setattr(engine_bench, "run", fake_run)
+    assert cli.main(["bench", "engine", "--hf-modes", "eager,compiled", "--device", "cpu"]) == 0
+    assert seen["args"][2] is None and seen["args"][-1] == "eager,compiled"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == "m"
