@@ -16,6 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from rhymerl import cli
 from rhymerl.bench import engine_bench
 from rhymerl.bench.hf_generate import mode_keys, parse_hf_modes
+from rhymerl.engine.backends import CudaBackend
+from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
 
 from tiny_models import tiny_decoder
@@ -145,3 +147,18 @@ def test_cli_passes_the_modes_and_leaves_the_batches_to_the_device(monkeypatch, 
     assert cli.main(["bench", "engine", "--hf-modes", "eager,compiled", "--device", "cpu"]) == 0
     assert seen["args"][2] is None and seen["args"][-1] == "eager,compiled"
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == "m"
+
+
+def test_an_untimed_first_run_leaves_the_timed_runs_counters_alone():
+    """On a GPU the same rollout runs once untimed (graph captures), then timed on the same engine: the
+    engine's counters are the timed run's, and the CUDA backend's counts are reported."""
+    model = tiny_decoder("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
+    tok, _, engine, warm_s = engine_bench.ours_generate(model, None, prompts, 2, params, 32, untimed_first=True)
+    assert warm_s > 0 and engine.stats.generated_tokens == tok
+    engine.runner.backend = CudaBackend(model, engine.cache, "static")
+    engine.generate(prompts, params)
+    fields = engine_bench.step_fields(engine, warm_s)
+    assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] > 0
+    assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured"] == 0
