@@ -98,6 +98,23 @@ def test_continuous_batching_refills_slots(model):
     assert not eng.has_unfinished() and len(eng.scheduler.free_slots) == 3
 
 
+def test_an_engine_on_an_earlier_engines_runner_gives_the_same_outputs(model):
+    """`runner=`: a second engine on the first one's KV cache (stale keys/values of finished sequences in it)
+    generates what a fresh engine does; a runner of another shape is refused, naming what differs."""
+    prompts = random_prompts(6, seed=4)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=2)
+    first = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[])
+    first.generate(random_prompts(5, seed=9), params)
+    fresh = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[]).generate(prompts, params)
+    reused = Engine(model, num_slots=3, max_model_len=64, eos_token_ids=[], runner=first.runner)
+    assert reused.cache is first.cache
+    assert [o.token_ids for o in reused.generate(prompts, params)] == [o.token_ids for o in fresh]
+    with pytest.raises(ValueError, match="room for 8 draft tokens"):
+        Engine(model, num_slots=3, max_model_len=64, speculative="histospec", max_draft_tokens=8, runner=first.runner)
+    with pytest.raises(ValueError, match="4 slots"):
+        Engine(model, num_slots=4, max_model_len=64, runner=first.runner)
+
+
 def test_slots_are_compacted_once_the_queue_is_empty(model):
     """Finished sequences leave holes; the survivors move down (cache rows and all) and still decode
     exactly as they would have in place."""

@@ -146,15 +146,19 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
     # as a training run measures once at start-up. Re-measuring for every timed run made the run right
     # after the measurement's large forwards the slow one of a pair (one-off A/B at T=1.0, where
     # HistoSpec drafts almost nothing: only the measured-just-before runs lost to plain).
-    costs = {}
+    # Likewise one runner (KV cache, and on a GPU the CUDA graphs captured on it) per engine shape, made by that
+    # first HistoSpec engine: every engine of the shape runs on it, so a step shape is captured once, not in
+    # every timed run.
+    costs, runners = {}, {}
 
     def make(m, spec, history=None, n_slots=slots, length=max_len, aware=False):
         key = (id(m), n_slots, length)
         engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
                         history=history, draft_rule=draft_rule, max_draft_tokens=max_draft_tokens,
-                        cost_model=costs.get(key), reward_aware_drafting=aware)
+                        cost_model=costs.get(key), reward_aware_drafting=aware, runner=runners.get(key))
         if spec == "histospec":
             costs.setdefault(key, engine.cost_model)
+            runners.setdefault(key, engine.runner)
         return engine
 
     identity_len = max(map(len, prompts[:identity_prompts]), default=0) + identity_max_tokens

@@ -61,13 +61,17 @@ class Engine:
     on the same model and slot count measured); `draft_rule` is "cost" (every
     sequence offers a full tree; the step budget alone decides), "aimd" or "doubling" (docs/benchmarks.md
     compares them). `reward_aware_drafting`: history branches that higher-reward responses took come first
-    (`rollout.reward_aware_drafting`; the same tokens, other drafts).
+    (`rollout.reward_aware_drafting`; the same tokens, other drafts). `runner`: an earlier engine's
+    (`other.runner`: its KV cache and, on a GPU, its captured CUDA graphs) for this one to run on, when both
+    have the same model, slots and context and its cache has room for this engine's drafts: a benchmark's
+    engines then capture each step shape once, as a training run's long-lived engine does.
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
                  speculative: str = "off", history: HistoryStore | None = None, max_draft_tokens: int = 32,
-                 draft_rule: str = "cost", cost_model: CostModel | None = None, reward_aware_drafting: bool = False):
+                 draft_rule: str = "cost", cost_model: CostModel | None = None, reward_aware_drafting: bool = False,
+                 runner: ModelRunner | None = None):
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
         cfg = model.cfg
@@ -76,9 +80,19 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_draft_tokens = max_draft_tokens if speculative != "off" else 0
         scratch = self.max_draft_tokens  # the cache holds one step's draft past the context
-        self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
-                             param.dtype, param.device, scratch)
-        self.runner = ModelRunner(model, self.cache)
+        if runner is None:
+            self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
+                                 param.dtype, param.device, scratch)
+            runner = ModelRunner(model, self.cache)
+        else:
+            c = runner.cache
+            if runner.model is not model or c.kv.shape[1] != num_slots or c.max_len != max_model_len \
+                    or c.capacity < max_model_len + scratch:
+                raise ValueError(f"runner= needs this engine's model, {num_slots} slots, max_model_len "
+                                 f"{max_model_len} and room for {scratch} draft tokens; its cache has "
+                                 f"{c.kv.shape[1]} slots of {c.max_len} (+{c.capacity - c.max_len})")
+            self.cache = c
+        self.runner = runner
         self.scheduler = Scheduler(num_slots, max_prefill_tokens)
         eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if eos_token_ids is None and tokenizer is not None and tokenizer.eos_token_id is not None:
