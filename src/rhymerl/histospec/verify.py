@@ -51,7 +51,7 @@ def verify(drafts: list[Draft], draw: Draw, every_node: bool = False) -> list[Ve
     the walk reads those draws: more rows sampled, but one sampler call and one wait for its results per step
     instead of one per level (what a GPU wants; on a CPU every sampled row costs a pass over the vocabulary).
     The draws are the same keyed draws either way, so is the result."""
-    if every_node:
+    if every_node and any(d.tokens for d in drafts):  # without drafts the walk is one call already
         draw = _drawn_in_advance(drafts, draw)
     children = [{(p, t): j for j, (t, p) in enumerate(zip(d.tokens, d.parents))} for d in drafts]
     out = [Verified([], [], []) for _ in drafts]

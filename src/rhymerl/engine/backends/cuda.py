@@ -88,7 +88,8 @@ class CudaBackend(EagerBackend):
     def _part(self, step: Step, part: list[int]) -> torch.Tensor:
         """Logits of the inputs `part` (indices into the step's; their prefixes, if copied, in place by now)."""
         whole = len(part) == len(step.inputs) and all(x.prefix_from is None for x in step.inputs)
-        inputs = [replace(step.inputs[i], prefix_from=None) for i in part]
+        inputs = [step.inputs[i] if step.inputs[i].prefix_from is None else replace(step.inputs[i], prefix_from=None)
+                  for i in part]
         trees = [step.trees[i] for i in part]
         shape = self.shapes.of(inputs)
         if shape is None:

@@ -120,26 +120,35 @@ class StaticStep:
             used = {x.slot for x in inputs}
             slots[:] = [x.slot for x in inputs] + [s for s in range(self.cache.kv.shape[1]) if s not in used][
                 : b - len(inputs)]
-            rows = range(len(inputs))
+            rows = np.arange(len(inputs))
         else:  # row b: slot b
             slots[:] = np.arange(b)
-            rows = [x.slot for x in inputs]
-        index = []
-        for r, x, (ancestors, depth) in zip(rows, inputs, trees):
-            k = len(x.tokens)
-            tokens[r, :k] = x.tokens
-            base[r] = x.base
-            valid[r, :k] = True
-            if ancestors is not None:
+            rows = np.array([x.slot for x in inputs])
+        # Vectorised over the step's tokens (at 128 rows a per-row loop cost ~0.5 ms of host time a step):
+        # token j of input i goes to flat position rows[i] * T + j.
+        ks = np.array([len(x.tokens) for x in inputs])
+        starts = np.cumsum(ks) - ks  # each input's first token in the packed order
+        within = np.arange(ks.sum()) - np.repeat(starts, ks)
+        flat = np.repeat(rows * t, ks) + within
+        base[rows] = [x.base for x in inputs]
+        positions[:] = base[:, None] + np.arange(t)  # padding tokens: any position in the cache will do
+        tokens.reshape(-1)[flat] = [tok for x in inputs for tok in x.tokens]
+        positions.reshape(-1)[flat] = np.repeat(base[rows], ks) + np.concatenate([depth for _, depth in trees])
+        valid.reshape(-1)[flat] = True
+        for r, k, (ancestors, _) in zip(rows, ks, trees):
+            if ancestors is not None:  # a decode token (None) sees only itself in its tree: already set
                 anc[r, :k, :k] = ancestors
-            positions[r] = x.base + np.arange(t)  # padding tokens: any position in the cache will do
-            positions[r, :k] = x.base + depth
-            last[r] = r * t + k - 1
-            index.append([r] if self.gathered else r * t + np.arange(x.logits_from, k))
+        last[rows] = rows * t + ks - 1
         write_pos[:] = base[:, None] + np.arange(t)  # a padding row: base 0, positions [0, T)
+        if self.gathered:
+            index = rows
+        else:
+            froms = np.array([x.logits_from for x in inputs])
+            keep = within >= np.repeat(froms, ks)  # tokens[logits_from:] of each input
+            index = flat[keep]
         self.ints.copy_(torch.from_numpy(ints))
         self.bools.copy_(torch.from_numpy(bools))
-        return np.concatenate(index)
+        return index
 
     def run(self) -> torch.Tensor:
         """The forward over the buffers -> logits: [B * T, vocab] by slot (padding rows included), [B, vocab]
