@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import pickle
 import shutil
 import subprocess
 import sys
@@ -17,35 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rhymerl import cli
 from rhymerl.errors import UserError
 from rhymerl.rl import checkpoint
 from rhymerl.rl.checkpoint import latest_checkpoint
+from tiny_models import byte_model_dir
 
 CLI = [sys.executable, "-m", "rhymerl.cli"]
 NOT_UTF8 = b"rollout:\n  temperature: 0.5  # caf\xe9\n"
-CHAT = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama (context 256) with a byte-level BPE tokenizer (no merges: one token a byte)."""
-    path = tmp_path_factory.mktemp("tiny-bytes")
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", chat_template=CHAT).save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=vocab["<eos>"], bos_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return byte_model_dir(tmp_path_factory.mktemp("tiny-bytes"), 256)
 
 
 def _train_args(model_dir: Path, out: Path, *extra: str) -> list[str]:

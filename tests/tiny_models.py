@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from rhymerl.model.weights import load_decoder
 
@@ -23,6 +24,24 @@ ARCHS = {
     "llama-d64": (LlamaConfig, LlamaForCausalLM, {"head_dim": 64, "tie_word_embeddings": True}),
 }
 VOCAB = 96
+CHAT = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # a plain chat template: the messages' texts
+
+
+def byte_model_dir(path: Path, max_positions: int) -> Path:
+    """A 2-layer random Llama with a byte-level BPE tokenizer (no merges: one token a byte) and a plain chat
+    template, written to `path`: a model directory the CLI and the benchmarks load offline."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", chat_template=CHAT).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True, eos_token_id=vocab["<eos>"], bos_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,10 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from rich.console import Console
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rhymerl import cli
 from rhymerl.bench import engine_bench
@@ -20,9 +17,8 @@ from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
 
-from tiny_models import tiny_decoder
+from tiny_models import byte_model_dir, tiny_decoder
 
-CHAT = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 OURS = ("prompts", "ours_tokens", "ours_s", "ours_tok_s", "ours_forwards", "ours_forward_ms", "bound_tok_s",
         "ours_of_bound")
 
@@ -30,19 +26,7 @@ OURS = ("prompts", "ours_tokens", "ours_s", "ours_tok_s", "ours_forwards", "ours
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with a byte-level BPE tokenizer (one token a byte) and a plain chat template."""
-    path = tmp_path_factory.mktemp("tiny-bytes")
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", chat_template=CHAT).save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=vocab["<eos>"], bos_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return byte_model_dir(tmp_path_factory.mktemp("tiny-bytes"), 1024)
 
 
 def _run(model_dir: Path, **kw) -> dict:
