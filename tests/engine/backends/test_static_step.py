@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rhymerl.engine.backends import CudaBackend, EagerBackend
-from rhymerl.engine.backends.static_step import bucket_of, buckets
+from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
-from rhymerl.engine.model_runner import ModelRunner, SlotInput
+from rhymerl.engine.model_runner import ModelRunner, SlotInput, _ancestors
 from rhymerl.engine.sampling_params import SamplingParams
 from tiny_models import random_prompts, tiny_decoder
 
@@ -143,3 +144,50 @@ def test_engine_outputs_equal_the_eager_engine(temperature):
         for a, b in zip(outs, reference):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
         assert e.runner.backend.replays > 0 and e.runner.backend.eager_parts == 0
+
+
+class _OpTrace(TorchDispatchMode):
+    """Every aten op a region runs, with its output shapes: what a CUDA graph records and replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                  if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func), shapes))
+        return out
+
+
+# ops that read a device value on the host (a synchronisation, which a capture forbids) or whose output shape
+# depends on the data (a replay cannot change a shape)
+HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist")
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_a_static_step_runs_the_same_ops_on_the_same_shapes_whatever_it_holds(gathered):
+    """What makes a step capturable, checked on the CPU: two different steps of one bucket run the very same
+    ops on the very same shapes, none of which reads data back to the host."""
+    model, _, static = runners("llama-d64", slots=8, max_len=96, scratch=8)
+    backend = static.backend
+    rng = torch.Generator().manual_seed(0)
+    traces = []
+    for seed in (1, 2):
+        prompts = random_prompts(3, lo=10 if gathered else 2, hi=16 if gathered else 8, seed=seed)
+        if gathered:
+            inputs = [SlotInput(s, 0, p, logits_from=len(p) - 1) for s, p in zip((1, 4, 6), prompts)]
+        else:  # a verification step: a tree, a chain, a decode row, at other bases each time
+            base = int(torch.randint(5, 40, (1,), generator=rng))
+            inputs = [SlotInput(0, base, prompts[0][:1] + [3, 4, 5], [-1, 0, 0, 1]),
+                      SlotInput(2, base + 7, prompts[1][:3]), SlotInput(5, base + 1, prompts[2][:1])]
+        shape = backend.shapes.of(inputs)
+        assert shape is not None and shape[0] == gathered
+        step = StaticStep(model, static.cache, *shape)
+        step.load(inputs, [_ancestors(x.parents, len(x.tokens)) for x in inputs])
+        with torch.inference_mode(), _OpTrace() as trace:
+            step.run()
+        traces.append(trace.ops)
+    assert traces[0] == traces[1] and len(traces[0]) > 50
+    assert not [op for op, _ in traces[0] if any(name in op for name in HOST_READS)]
