@@ -146,3 +146,4 @@ def test_an_untimed_first_run_leaves_the_timed_runs_counters_alone():
     fields = engine_bench.step_fields(engine, warm_s)
     assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] > 0
     assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured"] == 0
+    assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step

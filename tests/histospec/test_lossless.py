@@ -52,9 +52,8 @@ def _first_child_accept(children, node, drawn):
 
 def _row_off_verify(real):
     """Broken: a draft node's draw reads the logits row one before its own (the root's row is right)."""
-    def verify(drafts, draw, every_node=False):
-        return real(drafts, lambda live, nodes, depths: draw(live, [n - 1 if n >= 0 else n for n in nodes], depths),
-                    every_node)
+    def verify(drafts, draw):
+        return real(drafts, lambda live, nodes, depths: draw(live, [n - 1 if n >= 0 else n for n in nodes], depths))
     return verify
 
 

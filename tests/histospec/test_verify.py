@@ -1,36 +1,74 @@
-"""`verify` with every node drawn in one call (the GPU's way) against the level-by-level walk."""
+"""The acceptance walk on the device (`engine.device_verification`, a GPU's way: every node drawn in one call,
+one wait per step) against the host walk of `histospec.verify` with the engine's keyed draws."""
 
 import random
 
+import pytest
+import torch
+
+from rhymerl.engine.device_verification import verify_on_device
+from rhymerl.engine.sampler import draw_keys, sample
+from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.verify import verify
 
-
-def random_draft(rng: random.Random, vocab: int) -> Draft:
-    """A tree of 0-12 nodes in topological order over a small vocabulary (so that draws often match)."""
-    n = rng.randrange(13)
-    parents = [rng.randrange(-1, j) for j in range(n)]
-    return Draft(tokens=[rng.randrange(vocab) for _ in range(n)], parents=parents)
+VOCAB = 5  # few tokens and peaked logits: draws often match a draft's tokens, so walks go deep
 
 
-def keyed_draw(calls: list):
-    """A deterministic draw: the token depends on (sequence, node, depth) only, like the engine's keyed draws."""
+def random_draft(rng: random.Random) -> Draft:
+    """A tree of 0-12 nodes in topological order, each node's children with distinct tokens."""
+    tokens, parents, used = [], [], set()
+    for _ in range(rng.randrange(13)):
+        p, t = rng.randrange(-1, len(tokens)), rng.randrange(VOCAB)
+        if (p, t) not in used:
+            used.add((p, t))
+            tokens.append(t)
+            parents.append(p)
+    return Draft(tokens=tokens, parents=parents)
+
+
+def host_walk(drafts, logits, starts, keys, offsets, params):
+    """`histospec.verify` with the engine's draws: node n of sequence i at row starts[i] + n + 1."""
     def draw(live, nodes, depths):
-        calls.append(len(live))
-        tokens = [hash((i, n, d)) % 3 for i, n, d in zip(live, nodes, depths)]
-        return tokens, [-0.5 * t - 0.01 * d for t, d in zip(tokens, depths)]
-    return draw
+        rows = [starts[i] + n + 1 for i, n in zip(live, nodes)]
+        return sample(logits, params, [draw_key(params.seed, keys[i], offsets[i] + d) for i, d in zip(live, depths)],
+                      rows=rows)
+    return verify(drafts, draw)
 
 
-def test_every_node_gives_the_walks_result_in_one_call():
-    rng = random.Random(0)
+def test_draw_keys_are_draw_key_bit_for_bit():
+    rng = random.Random(1)
+    seeds, reqs, positions = ([rng.randrange(1 << 63) for _ in range(50)] for _ in range(3))
+    prefixes = torch.tensor([draw_prefix(s, r) for s, r in zip(seeds, reqs)])
+    keys = draw_keys(prefixes, torch.tensor([p % 4096 for p in positions]))
+    assert keys.tolist() == [draw_key(s, r, p % 4096) for s, r, p in zip(seeds, reqs, positions)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=0.6, top_k=3, top_p=0.9, seed=4)])
+def test_the_device_walk_gives_the_host_walks_result(params):
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     accepted = 0
-    for _ in range(200):
-        drafts = [random_draft(rng, 3) for _ in range(rng.randrange(1, 6))]
-        level_calls, all_calls = [], []
-        walked = verify(drafts, keyed_draw(level_calls))
-        at_once = verify(drafts, keyed_draw(all_calls), every_node=True)
-        assert at_once == walked
-        assert len(all_calls) == 1 and all_calls[0] == sum(1 + len(d.tokens) for d in drafts)
+    for trial in range(40):
+        drafts = [random_draft(rng) for _ in range(rng.randrange(1, 7))]
+        counts = [1 + len(d.tokens) for d in drafts]
+        starts = [sum(counts[:i]) for i in range(len(drafts))]
+        logits = torch.randn(sum(counts), VOCAB, generator=gen) * 3
+        keys = [request_key(f"r{trial}-{i}") for i in range(len(drafts))]
+        offsets = [rng.randrange(50) for _ in drafts]
+        walked = host_walk(drafts, logits, starts, keys, offsets, params)
+        on_device, wait_s = verify_on_device(drafts, logits, starts, [draw_prefix(params.seed, k) for k in keys],
+                                             offsets, params)
+        assert wait_s >= 0
+        assert on_device == walked
         accepted += sum(len(v.path) for v in walked)
-    assert accepted > 100  # the trees were walked, not just their roots drawn
+    assert accepted > 20  # the trees were walked, not just their roots drawn
+
+
+def test_a_fork_in_a_draft_is_refused_not_guessed():
+    """Two children of the root with one token: the host walk takes one of them, the device walk would reach
+    both; it returns None and the engine walks on the host."""
+    logits = torch.full((3, VOCAB), -10.0)
+    logits[:, 2] = 10.0  # every draw is token 2
+    fork = Draft(tokens=[2, 2], parents=[-1, -1])
+    assert verify_on_device([fork], logits, [0], [draw_prefix(0, 1)], [0], SamplingParams(temperature=0))[0] is None

@@ -102,13 +102,17 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
 
 
 def step_fields(engine: Engine, warm_s: float) -> dict:
-    """Where a step's time goes: in the forward (on a GPU up to the synchronise that ends it) and outside it
-    (scheduling, drafting, sampling, commits), and what the CUDA backend did (graphs captured before and
-    during the timed run, parts it ran eagerly)."""
+    """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
+    GPU, where the forward only queues its work, the wait for the device's results and the host's share of
+    the step (the rest); and what the CUDA backend did (graphs captured before and during the timed run,
+    parts it ran eagerly)."""
     stats, backend = engine.stats, engine.runner.backend
     steps = max(stats.forward_passes, 1)
     out = {"ours_step_ms": round(1e3 * stats.busy_s / steps, 3),
            "ours_outside_forward_ms": round(1e3 * (stats.busy_s - stats.forward_s) / steps, 3)}
+    if stats.device_wait_s:  # a GPU: the forward only queues work, the draws wait for it; the rest is the host's
+        out.update(ours_device_wait_ms=round(1e3 * stats.device_wait_s / steps, 3),
+                   ours_host_share=round(1 - stats.device_wait_s / max(stats.busy_s, 1e-9), 3))
     if isinstance(backend, CudaBackend):
         out.update(graphs_captured=backend.captured, graph_replays=backend.replays,
                    eager_parts=backend.eager_parts, warm_up_s=round(warm_s, 2))

@@ -23,10 +23,11 @@ from tqdm import tqdm
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
 from rhymerl.engine import migration
+from rhymerl.engine.device_verification import verify_on_device
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
-from rhymerl.engine.sampling_params import SamplingParams, draw_key
+from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
 from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence
@@ -121,6 +122,7 @@ class Engine:
             inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
             t0 = time.perf_counter()
             self.runner.run(inputs)
+            self.runner.synchronize()
             return time.perf_counter() - t0
 
         return cost_model.measure(time_forward, slots, max_draft_tokens)
@@ -242,15 +244,25 @@ class Engine:
                 rows_per_seq: list[int]) -> list[Verified]:
         """Every sequence's draft walked with the policy's keyed draws (`histospec.verify`), drawing only at
         the nodes the walks reach: sequence i's node j has logits row starts[i] + j + 1 (node -1, its last
-        real token, the first of its rows)."""
+        real token, the first of its rows). On a backend that verifies on the device (a GPU), every node is
+        drawn and walked there in one go when the sequences share their SamplingParams
+        (`device_verification`; the same keyed draws, the same result)."""
         starts = [0] * len(seqs)
         for i in range(1, len(seqs)):
             starts[i] = starts[i - 1] + rows_per_seq[i - 1]
+        params = seqs[0].params
+        if self.runner.backend.verifies_on_device and all(s.params == params for s in seqs):
+            verified, wait_s = verify_on_device(drafts, logits, starts,
+                                                [draw_prefix(params.seed, s.key) for s in seqs],
+                                                [len(s.output_ids) for s in seqs], params)
+            self.stats.device_wait_s += wait_s
+            if verified is not None:
+                return verified
 
         def draw(live: list[int], nodes: list[int], depths: list[int]):
             return self._draw([seqs[i] for i in live], [starts[i] + n + 1 for i, n in zip(live, nodes)], depths, logits)
 
-        return verify(drafts, draw, every_node=self.runner.backend.draws_every_node)
+        return verify(drafts, draw)
 
     def _draw(self, seqs: list[Sequence], rows: list[int], offsets: list[int], logits: torch.Tensor):
         """Sample one token at each logits row; the draw for output token j of a request depends on

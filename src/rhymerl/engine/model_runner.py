@@ -88,6 +88,11 @@ class ModelRunner:
         logits = self.backend.forward(step)
         return logits.float() if float_logits else logits
 
+    def synchronize(self) -> None:
+        """Wait until the device has run what was queued (a GPU's forward returns before it has run)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def commit(self, slot: int, base: int, path: list[int]) -> None:
         """Keep draft nodes `path` (indices into the step's tokens, increasing) as committed tokens
         `base, base+1, ...` of `slot` (`KVCache.commit`, with the backend's state kept consistent)."""

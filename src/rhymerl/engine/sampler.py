@@ -36,14 +36,24 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping like uint64)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def draw_keys(prefixes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`sampling_params.draw_key` on tensors: prefixes [R] (`draw_prefix` as signed int64), positions [R]
+    -> [R] keys, bit for bit (tests/engine/test_engine.py), so a device can key its own draws."""
+    return _mix((prefixes ^ positions) + _GOLDEN)
+
+
 def keyed_uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """keys [R] int64 (draw keys), columns [R, C] or [C] int64 -> [R, C] fp64 uniforms in (0, 1): splitmix64
     of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64 (tests/test_engine.py
     checks it bit for bit against plain-Python uint64 arithmetic)."""
-    x = keys[:, None] + (columns + 1) * _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    x = x ^ _shr(x, 31)
+    x = _mix(keys[:, None] + (columns + 1) * _GOLDEN)
     return (_shr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
 
 
@@ -105,10 +115,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernel
     if rows is not None and rows != list(range(len(logits))):
         # index_select: the cheaper of the row copies torch offers (advanced indexing goes through index_put)
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    tokens, logprobs = sample_tensors(logits, params, torch.tensor(keys, dtype=torch.int64, device=logits.device))
+    return tokens.tolist(), logprobs.tolist()
+
+
+def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` on the device, without reading anything back: logits [R, V], keys [R] int64 (on the logits'
+    device) -> (tokens [R] int64, log-probs [R] fp32)."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
-        return tokens[:, 0].tolist(), torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].tolist()
+        return tokens[:, 0], torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0]
     # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
     # whose sum is the normaliser) where log_softmax + exp + sums take seven.
@@ -120,8 +137,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernel
     probs = torch.add(top * -inv_t, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
     mass = _block_mass(probs)  # [R, nb]
     log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
-    key_t = torch.tensor(keys, dtype=torch.int64, device=logits.device)
     kept = filtered_probs(probs, params)
-    tokens = sample_columns(kept, key_t, mass if kept is probs else None)  # [R, 1]
+    tokens = sample_columns(kept, keys, mass if kept is probs else None)  # [R, 1]
     shifted = torch.add(top * -inv_t, logits.gather(-1, tokens), alpha=inv_t)  # the same arithmetic as above
-    return tokens[:, 0].tolist(), (shifted - log_norm)[:, 0].tolist()
+    return tokens[:, 0], (shifted - log_norm)[:, 0]

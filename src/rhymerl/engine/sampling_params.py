@@ -61,8 +61,18 @@ def request_key(request_id: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(str(request_id).encode(), digest_size=8).digest(), "little")
 
 
+def _signed(z: int) -> int:
+    """A 64-bit value as a signed int64 (what torch holds)."""
+    return z - (1 << 64) if z >> 63 else z
+
+
+def draw_prefix(seed: int, request_key: int) -> int:
+    """The part of every draw key of one request that does not depend on the position, as a signed int64:
+    `draw_key` mixes the position into it, and so does the sampler's tensor version (`sampler.draw_keys`)."""
+    return _signed(_splitmix64(_splitmix64(seed & _MASK64) ^ request_key))
+
+
 def draw_key(seed: int, request_key: int, position: int) -> int:
     """The key of one token draw: a 64-bit function of (seed, request, position of the generated token), as
     a signed int64 (what torch holds). The sampler derives all its noise for that draw from it."""
-    z = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ request_key) ^ position)
-    return z - (1 << 64) if z >> 63 else z
+    return _signed(_splitmix64((draw_prefix(seed, request_key) ^ position) & _MASK64))

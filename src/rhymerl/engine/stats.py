@@ -13,7 +13,8 @@ class EngineStats:
     shared_prompt_tokens: int = 0  # prompt tokens not fed: copied from a slot holding the same prefix
     generated_tokens: int = 0  # tokens appended to outputs
     busy_s: float = 0.0  # wall time inside step()
-    forward_s: float = 0.0  # of which in the model's forward
+    forward_s: float = 0.0  # of which in the model's forward (on a GPU: queuing it; it runs while the host goes on)
+    device_wait_s: float = 0.0  # of which waiting for the device's results (on a GPU: the forward and the draws)
     seq_steps: int = 0  # sum over steps of the sequences in the step
     # Migration (2026-11-25): requests handed to another engine (`Engine.extract`) and adopted from one
     # (`Engine.adopt`: each migration counts once, where it lands), the prompt + generated tokens the adopted

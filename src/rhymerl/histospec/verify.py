@@ -44,15 +44,10 @@ class Verified:
 Draw = Callable[[list[int], list[int], list[int]], tuple[list[int], list[float]]]
 
 
-def verify(drafts: list[Draft], draw: Draw, every_node: bool = False) -> list[Verified]:
+def verify(drafts: list[Draft], draw: Draw) -> list[Verified]:
     """Walk every sequence's draft tree with `accept`, one tree level at a time for all of them, so that the
     engine samples only the rows the walks reach, in one call per level. A sequence without a draft takes
-    one draw: plain decoding. With `every_node`, every node of every tree is drawn first, in one call, and
-    the walk reads those draws: more rows sampled, but one sampler call and one wait for its results per step
-    instead of one per level (what a GPU wants; on a CPU every sampled row costs a pass over the vocabulary).
-    The draws are the same keyed draws either way, so is the result."""
-    if every_node and any(d.tokens for d in drafts):  # without drafts the walk is one call already
-        draw = _drawn_in_advance(drafts, draw)
+    one draw: plain decoding."""
     children = [{(p, t): j for j, (t, p) in enumerate(zip(d.tokens, d.parents))} for d in drafts]
     out = [Verified([], [], []) for _ in drafts]
     node = [-1] * len(drafts)
@@ -70,22 +65,3 @@ def verify(drafts: list[Draft], draw: Draw, every_node: bool = False) -> list[Ve
                 still.append(i)
         live = still
     return out
-
-
-def _drawn_in_advance(drafts: list[Draft], draw: Draw) -> Draw:
-    """Call `draw` once for every node of every draft (node -1 included), each at its depth past the committed
-    end (`Draft.depths`: the tokens the walk has appended when it gets there), and return a `Draw` that looks
-    the walk's requests up in those results."""
-    seqs, nodes, depths = [], [], []
-    for i, d in enumerate(drafts):
-        seqs += [i] * (1 + len(d.tokens))
-        nodes += [-1] + list(range(len(d.tokens)))
-        depths += [0] + d.depths()
-    tokens, logprobs = draw(seqs, nodes, depths)
-    drawn = {(i, n): (t, lp) for i, n, t, lp in zip(seqs, nodes, tokens, logprobs)}
-
-    def lookup(live: list[int], at: list[int], _depths: list[int]) -> tuple[list[int], list[float]]:
-        found = [drawn[(i, n)] for i, n in zip(live, at)]
-        return [t for t, _ in found], [lp for _, lp in found]
-
-    return lookup

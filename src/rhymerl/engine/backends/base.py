@@ -24,11 +24,12 @@ class Step:
 
 class Backend(Protocol):
     """Runs the decoder over the KV cache. `ops`: the fused CPU kernels' namespace where this backend uses
-    them (the sampler's plain case runs in C++ too), else None. `draws_every_node`: the engine samples every
-    draft node in one call per step (`histospec.verify`'s `every_node`: a GPU), rather than level by level."""
+    them (the sampler's plain case runs in C++ too), else None. `verifies_on_device`: the engine draws every
+    draft node and walks the drafts on the device (`engine.device_verification`: a GPU), in one call per step,
+    rather than level by level on the host."""
 
     ops: object | None
-    draws_every_node: bool
+    verifies_on_device: bool
 
     def forward(self, step: Step) -> torch.Tensor:
         """Logits [R, vocab] in the model's dtype, once the step's keys/values are in the cache."""

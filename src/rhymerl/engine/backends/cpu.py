@@ -62,7 +62,7 @@ class CpuBackend:
     """`forward_fused` over `FusedAttention`. `ops`: the built kernels (`native.ops()`); the cache's dtype
     must be fp32 or bf16 (the kernels' dtypes)."""
 
-    draws_every_node = False  # each sampled row costs a pass over the vocabulary: sample the rows walks reach
+    verifies_on_device = False  # each sampled row costs a pass over the vocabulary: sample the rows walks reach
 
     def __init__(self, model: Decoder, cache: KVCache, ops):
         self.model, self.cache, self.ops = model, cache, ops

@@ -11,8 +11,9 @@ the buffers and replays. What fits no bucket runs eagerly (`EagerBackend`, SDPA 
 Modes: "graphs" (the default); "static", the same parts and buffers run eagerly, no capture (how the tests
 run this class on a CPU); "eager", every step through `EagerBackend` (`RHYMERL_CUDA_GRAPHS=0`, the baseline).
 
-Every forward ends with `torch.cuda.synchronize`: callers time it (the speculator's cost model, `forward_s`),
-and the sampler reads the logits on the host right after anyway.
+A forward returns as soon as its work is queued: the engine's draws wait for it, once a step
+(`engine.device_verification`), and the host builds the draws' inputs in the meantime. Whoever times a forward
+synchronises (`ModelRunner.synchronize`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class CudaBackend(EagerBackend):
     docstring). `captured`: graphs captured so far; `replays`, `eager_parts`: parts run each way."""
 
     # A GPU samples a whole tree's rows as fast as one, and every wait for the sampler's results is a host
-    # synchronisation: draw every draft node at once, one wait per step.
-    draws_every_node = True
+    # synchronisation: draw every draft node and walk the drafts there, one wait per step.
+    verifies_on_device = True
 
     def __init__(self, model: Decoder, cache: KVCache, mode: str = "graphs"):
         if mode not in MODES:
@@ -81,8 +82,6 @@ class CudaBackend(EagerBackend):
             at = dict(zip(order, starts))
             index = np.concatenate([at[i] + np.arange(counts[i]) for i in range(len(step.inputs))])
             logits = torch.cat(pieces).index_select(0, torch.from_numpy(index).to(self.device))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         return logits
 
     def _part(self, step: Step, part: list[int]) -> torch.Tensor:

@@ -181,7 +181,7 @@ class EagerBackend:
     weights where it has them (fp32, and bf16 on CPUs with bf16 instructions)."""
 
     ops = None  # no fused kernels: the sampler runs in torch too
-    draws_every_node = False  # on a CPU each sampled row costs a pass over the vocabulary
+    verifies_on_device = False  # on a CPU each sampled row costs a pass over the vocabulary
 
     def __init__(self, model: Decoder, cache: KVCache):
         self.model, self.cache = model, cache

@@ -1,0 +1,63 @@
+"""HistoSpec's verification on the device: every node of every draft drawn in one sampler call and the
+acceptance walk done with tensor ops, so the host waits once per step, for the result (a GPU's way: the host
+walk of `histospec.verify` waits for the sampler once per tree level).
+
+The same keyed draws (`sampler.draw_keys` is `draw_key` bit for bit) and the same acceptance rule as the host
+walk, its reference: node j of a sequence's tree is reached when its parent is reached and the token drawn at
+the parent is j's token. A draft gives each child of a node its own token (`Drafter` grows them from a
+token -> child map), so the reached nodes form one path from the root; the tokens drawn along it are the
+accepted ones, and the one drawn at its last node is the bonus token. Where a draft breaks that rule the
+path is not a chain, and `verify_on_device` says so (None) instead of guessing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from rhymerl.engine.sampler import draw_keys, sample_tensors
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.histospec.drafter import Draft
+from rhymerl.histospec.verify import Verified
+
+
+def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int], prefixes: list[int],
+                     offsets: list[int], params: SamplingParams) -> tuple[list[Verified] | None, float]:
+    """Every sequence's draft verified at once. `logits` [N, V]: sequence i's last committed token at row
+    starts[i], its draft node j at starts[i] + 1 + j; `prefixes[i]`: its `draw_prefix` as a signed int64;
+    `offsets[i]`: its output length so far (the position of the next token it draws). All with `params`.
+    Returns (what `histospec.verify` returns, or None when a draft has two children of one node with the
+    same token; the seconds the host waited for the device's results)."""
+    counts = np.array([1 + len(d.tokens) for d in drafts])  # rows drawn per sequence: its root and nodes
+    first = np.cumsum(counts) - counts  # each sequence's root among the R drawn rows
+    seq = np.repeat(np.arange(len(drafts)), counts)  # [R] the sequence of each drawn row
+    depth = np.concatenate([[0] + d.depths() for d in drafts])  # [R] tokens appended before its draw
+    # [R] the drawn row of each node's parent (a root: itself) and each node's draft token (a root: -1)
+    parent = np.concatenate([[f] + [f + 1 + p if p >= 0 else f for p in d.parents] for f, d in zip(first, drafts)])
+    token = np.concatenate([[-1] + d.tokens for d in drafts])
+    meta = np.stack([np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(first, counts),  # logits row
+                     np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth, parent, token])
+    meta = torch.from_numpy(meta).to(logits.device)  # [5, R], one copy to the device
+    rows, prefix, position, parent_t, token_t = meta
+    drawn, logprobs = sample_tensors(logits.index_select(0, rows), params, draw_keys(prefix, position))
+    is_root = parent_t == torch.arange(len(parent), device=logits.device)
+    match = drawn.gather(0, parent_t) == token_t  # the parent's draw is this node's token
+    reached = is_root
+    for _ in range(int(depth.max())):  # one tree level a round: ancestors' reach flows down to the leaves
+        reached = is_root | (reached.gather(0, parent_t) & match)
+    t0 = time.perf_counter()
+    out = torch.stack((drawn.double(), logprobs.double(), reached.double())).cpu().numpy()  # the one wait
+    wait_s = time.perf_counter() - t0
+    drawn_h, logprobs_h, reached_h = out[0].astype(np.int64), out[1], out[2].astype(bool)
+    hit = np.nonzero(reached_h)[0]  # in tree order, so each sequence's path in depth order
+    per_seq = np.bincount(seq[hit], minlength=len(drafts))
+    deepest = np.zeros(len(drafts), dtype=np.int64)
+    np.maximum.at(deepest, seq[hit], depth[hit])
+    if (per_seq != deepest + 1).any():  # a path that forks: two children of a node share a token
+        return None, wait_s
+    result = []
+    for path in np.split(hit, np.cumsum(per_seq)[:-1]):
+        result.append(Verified((path[1:] - path[0] - 1).tolist(), drawn_h[path].tolist(), logprobs_h[path].tolist()))
+    return result, wait_s
