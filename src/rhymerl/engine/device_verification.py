@@ -33,10 +33,18 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
     counts = np.array([1 + len(d.tokens) for d in drafts])  # rows drawn per sequence: its root and nodes
     first = np.cumsum(counts) - counts  # each sequence's root among the R drawn rows
     seq = np.repeat(np.arange(len(drafts)), counts)  # [R] the sequence of each drawn row
-    depth = np.concatenate([[0] + d.depths() for d in drafts])  # [R] tokens appended before its draw
-    # [R] the drawn row of each node's parent (a root: itself) and each node's draft token (a root: -1)
-    parent = np.concatenate([[f] + [f + 1 + p if p >= 0 else f for p in d.parents] for f, d in zip(first, drafts)])
-    token = np.concatenate([[-1] + d.tokens for d in drafts])
+    # [R] per drawn row: the tokens appended before its draw, the drawn row of its parent (a root: itself), its
+    # draft token (a root: -1). Python lists: most drafts are empty or small, and numpy per draft costs more.
+    depth_l, parent_l, token_l = [], [], []
+    for f, d in zip(first.tolist(), drafts):
+        depth_l.append(0)
+        parent_l.append(f)
+        token_l.append(-1)
+        if d.tokens:
+            depth_l += d.depths()
+            parent_l += [f + 1 + p if p >= 0 else f for p in d.parents]
+            token_l += d.tokens
+    depth, parent, token = np.array(depth_l), np.array(parent_l), np.array(token_l)
     meta = np.stack([np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(first, counts),  # logits row
                      np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth, parent, token])
     meta = torch.from_numpy(meta).to(logits.device)  # [5, R], one copy to the device
@@ -57,7 +65,10 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
     np.maximum.at(deepest, seq[hit], depth[hit])
     if (per_seq != deepest + 1).any():  # a path that forks: two children of a node share a token
         return None, wait_s
-    result = []
-    for path in np.split(hit, np.cumsum(per_seq)[:-1]):
-        result.append(Verified((path[1:] - path[0] - 1).tolist(), drawn_h[path].tolist(), logprobs_h[path].tolist()))
+    result, hit_l, drawn_l, logprobs_l, a = [], hit.tolist(), drawn_h.tolist(), logprobs_h.tolist(), 0
+    for b in np.cumsum(per_seq).tolist():
+        path = hit_l[a:b]  # the root's row, then the accepted nodes' rows
+        result.append(Verified([r - path[0] - 1 for r in path[1:]], [drawn_l[r] for r in path],
+                               [logprobs_l[r] for r in path]))
+        a = b
     return result, wait_s
