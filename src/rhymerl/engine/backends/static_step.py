@@ -93,16 +93,16 @@ class StaticStep:
         self.shape = (gathered, b, t, l)
         device = cache.kv.device
         n = b * t
-        # One host-to-device copy each per step. ints: tokens, rope positions and write positions [N]; each
-        # row's base, slot and last real token's index [B].
-        self.ints = torch.zeros(3 * n + 3 * b, dtype=torch.int64, device=device)
-        self.tokens, self.positions, self.write_pos = self.ints[:n], self.ints[n : 2 * n], self.ints[2 * n : 3 * n]
-        self.base, self.slots, self.last = self.ints[3 * n : 3 * n + b], self.ints[3 * n + b : 3 * n + 2 * b], \
-            self.ints[3 * n + 2 * b :]
+        # One host-to-device copy each per step. ints: tokens, rope positions, write positions and slots [N]
+        # (each token's: what the K/V write indexes with); each row's base, slot and last real token's index [B].
+        self.ints = torch.zeros(4 * n + 3 * b, dtype=torch.int64, device=device)
+        self.tokens, self.positions, self.write_pos, self.token_slots = (self.ints[k * n : (k + 1) * n]
+                                                                         for k in range(4))
+        self.base, self.slots, self.last = (self.ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
         # bools: which tokens are real, then each row's [T, T] ancestor matrix (a token and its ancestors)
         self.bools = torch.zeros(n + n * t, dtype=torch.bool, device=device)
         self.valid, self.anc = self.bools[:n], self.bools[n:].view(b, t, t)
-        self._host_ints = np.zeros(3 * n + 3 * b, dtype=np.int64)
+        self._host_ints = np.zeros(4 * n + 3 * b, dtype=np.int64)
         self._host_bools = np.zeros(n + n * t, dtype=bool)
 
     def load(self, inputs: list, trees: list) -> np.ndarray:
@@ -110,8 +110,8 @@ class StaticStep:
         index of each of their logit rows (tokens[logits_from:] of each input, in order) in `run()`'s output."""
         b, t, n = self.b, self.t, self.b * self.t
         ints, bools = self._host_ints, self._host_bools
-        tokens, positions, write_pos = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(3))
-        base, slots, last = ints[3 * n : 3 * n + b], ints[3 * n + b : 3 * n + 2 * b], ints[3 * n + 2 * b :]
+        tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
+        base, slots, last = (ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
         valid, anc = bools[:n].reshape(b, t), bools[n:].reshape(b, t, t)
         ints[:] = 0
         bools[:] = False
@@ -140,6 +140,7 @@ class StaticStep:
                 anc[r, :k, :k] = ancestors
         last[rows] = rows * t + ks - 1
         write_pos[:] = base[:, None] + np.arange(t)  # a padding row: base 0, positions [0, T)
+        token_slots[:] = slots[:, None]
         if self.gathered:
             index = rows
         else:
@@ -181,14 +182,13 @@ class _StaticAttention:
     def __init__(self, s: StaticStep):
         self.s = s
         self.additive = s.mask()  # once per step, not per layer
-        self.token_slots = s.slots.repeat_interleave(s.t)  # [N] each token's slot
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D], kv: [N, 2KV, D] for the N = B * T tokens -> [N, H, D]."""
         s = self.s
         cache = s.cache.kv[layer]  # [slots, 2KV, capacity, D]
-        old = cache[self.token_slots, :, s.write_pos]  # [N, 2KV, D]
-        cache[self.token_slots, :, s.write_pos] = torch.where(s.valid[:, None, None], kv, old)
+        old = cache[s.token_slots, :, s.write_pos]  # [N, 2KV, D]
+        cache[s.token_slots, :, s.write_pos] = torch.where(s.valid[:, None, None], kv, old)
         n_kv = s.cache.num_kv_heads
         n, h, d = q.shape
         g = h // n_kv
