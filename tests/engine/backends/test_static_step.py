@@ -162,8 +162,8 @@ class _OpTrace(TorchDispatchMode):
 
 
 # ops that read a device value on the host (a synchronisation, which a capture forbids) or whose output shape
-# depends on the data (a replay cannot change a shape)
-HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist")
+# depends on the data (a replay cannot change a shape); repeat_interleave does when its repeats are a tensor
+HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist", "repeat_interleave")
 
 
 @pytest.mark.parametrize("gathered", [False, True])
