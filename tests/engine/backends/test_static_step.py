@@ -191,3 +191,15 @@ def test_a_static_step_runs_the_same_ops_on_the_same_shapes_whatever_it_holds(ga
         traces.append(trace.ops)
     assert traces[0] == traces[1] and len(traces[0]) > 50
     assert not [op for op, _ in traces[0] if any(name in op for name in HOST_READS)]
+
+
+def test_a_prompt_prefilled_in_gathered_chunks_sees_its_earlier_chunks():
+    """Chunks of 12 and 20 tokens after 10 committed ones (an adopted request's re-prefill, a long prompt):
+    gathered chains over a committed prefix give the eager backend's last-token logits."""
+    model, eager, static = runners("qwen3", slots=4)
+    p = random_prompts(1, lo=42, hi=42, seed=13)[0]
+    both(eager, static, [SlotInput(2, 0, p[:10], logits_from=9)])
+    both(eager, static, [SlotInput(2, 10, p[10:22], logits_from=11), SlotInput(0, 0, p[:20], logits_from=19)])
+    both(eager, static, [SlotInput(2, 22, p[22:42], logits_from=19)])
+    assert static.backend.eager_parts == 0 and static.backend.shapes.of(
+        [SlotInput(2, 22, p[22:42], logits_from=19)])[0]  # gathered

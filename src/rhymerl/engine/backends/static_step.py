@@ -71,8 +71,8 @@ class StaticShapes:
             return None
         longest = max(len(x.tokens) for x in inputs)
         gathered = longest > self.tree
-        if gathered:
-            if any(x.logits_from != len(x.tokens) - 1 for x in inputs):
+        if gathered:  # chains (a prefill's): no ancestor matrices, which would be [T, T] each
+            if any(x.logits_from != len(x.tokens) - 1 or x.parents is not None for x in inputs):
                 return None
             b, t = bucket_of(len(inputs), self.rows), bucket_of(longest, self.chains)
         else:
@@ -99,11 +99,13 @@ class StaticStep:
         self.tokens, self.positions, self.write_pos, self.token_slots = (self.ints[k * n : (k + 1) * n]
                                                                          for k in range(4))
         self.base, self.slots, self.last = (self.ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
-        # bools: which tokens are real, then each row's [T, T] ancestor matrix (a token and its ancestors)
-        self.bools = torch.zeros(n + n * t, dtype=torch.bool, device=device)
-        self.valid, self.anc = self.bools[:n], self.bools[n:].view(b, t, t)
+        # bools: which tokens are real, then (by slot) each row's [T, T] ancestor matrix (a token and its
+        # ancestors); gathered rows are chains, whose matrix the mask computes instead
+        trees = 0 if gathered else n * t
+        self.bools = torch.zeros(n + trees, dtype=torch.bool, device=device)
+        self.valid, self.anc = self.bools[:n], None if gathered else self.bools[n:].view(b, t, t)
         self._host_ints = np.zeros(4 * n + 3 * b, dtype=np.int64)
-        self._host_bools = np.zeros(n + n * t, dtype=bool)
+        self._host_bools = np.zeros(n + trees, dtype=bool)
 
     def load(self, inputs: list, trees: list) -> np.ndarray:
         """Fill the buffers from a step's inputs (SlotInputs) and their trees (`Step.trees`); returns the
@@ -112,10 +114,11 @@ class StaticStep:
         ints, bools = self._host_ints, self._host_bools
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
         base, slots, last = (ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
-        valid, anc = bools[:n].reshape(b, t), bools[n:].reshape(b, t, t)
+        valid, anc = bools[:n].reshape(b, t), None if self.gathered else bools[n:].reshape(b, t, t)
         ints[:] = 0
         bools[:] = False
-        anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
+        if anc is not None:
+            anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
         if self.gathered:  # row r: input r; padding rows on slots no input uses (no (slot, position) twice)
             used = {x.slot for x in inputs}
             slots[:] = [x.slot for x in inputs] + [s for s in range(self.cache.kv.shape[1]) if s not in used][
@@ -136,7 +139,7 @@ class StaticStep:
         positions.reshape(-1)[flat] = np.repeat(base[rows], ks) + np.concatenate([depth for _, depth in trees])
         valid.reshape(-1)[flat] = True
         for r, k, (ancestors, _) in zip(rows, ks, trees):
-            if ancestors is not None:  # a decode token (None) sees only itself in its tree: already set
+            if ancestors is not None and anc is not None:  # a decode token (None) sees only itself: already set
                 anc[r, :k, :k] = ancestors
         last[rows] = rows * t + ks - 1
         write_pos[:] = base[:, None] + np.arange(t)  # a padding row: base 0, positions [0, T)
@@ -160,13 +163,16 @@ class StaticStep:
     def mask(self) -> torch.Tensor:
         """Additive mask [B, 1, G * T, L] in the cache's dtype: token (b, t) sees position l of its row when
         l is before the row's base (its committed prefix) or l = base + j with j an ancestor of t (itself
-        included). Repeated for the G query heads of each KV head (`_StaticAttention` folds them into the
+        included; gathered rows are chains: j <= t). Repeated for the G query heads of each KV head (`_StaticAttention` folds them into the
         query axis)."""
         b, t, l = self.b, self.t, self.l
         g = self.model.cfg.num_heads // self.cache.num_kv_heads
         rel = torch.arange(l, device=self.base.device)[None, :] - self.base[:, None]  # [B, L] position - base
         in_tree = (rel >= 0) & (rel < t)
-        tree = self.anc.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, l))  # [B, T, L] anc[b, t, l - base]
+        if self.anc is None:  # chains: position base + j is token j's, an ancestor of every token from j on
+            tree = rel[:, None, :] <= torch.arange(t, device=rel.device)[None, :, None]  # [B, T, L]
+        else:
+            tree = self.anc.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, l))  # [B, T, L] anc[b, t, l - base]
         visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree)
         additive = torch.zeros((b, t, l), dtype=self.cache.kv.dtype, device=rel.device)
         additive.masked_fill_(~visible, float("-inf"))
