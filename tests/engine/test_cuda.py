@@ -33,6 +33,12 @@ from tiny_models import random_prompts, tiny_decoder  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(autouse=True)
+def cuda_graphs(monkeypatch):
+    """Every engine here replays CUDA graphs (opt-in, RHYMERL_CUDA_GRAPHS=1, until these tests pass on a GPU)."""
+    monkeypatch.setenv("RHYMERL_CUDA_GRAPHS", "1")
+
+
 def cuda_engine(model, spec="off", history=None, slots=4):
     return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], speculative=spec,
                   history=history, cost_model=FLAT, max_draft_tokens=8)
@@ -120,7 +126,7 @@ def test_graph_replays_give_the_eager_static_steps_logits(dtype):
     assert backend.replays == 2
 
 
-def test_a_cuda_model_runs_the_cuda_backend():
+def test_a_cuda_model_runs_the_cuda_backend(monkeypatch):
     """select_backend gives a CUDA model the CUDA backend (CUDA graphs) and no CPU kernels; its logits are the
     eager CPU forward's."""
     cpu = tiny_decoder("llama")
@@ -135,6 +141,8 @@ def test_a_cuda_model_runs_the_cuda_backend():
     runner = ModelRunner(gpu, KVCache(c.num_layers, 2, 64, c.num_kv_heads, c.head_dim, torch.float32, "cuda"))
     assert isinstance(runner.backend, CudaBackend) and runner.ops is None and runner.backend.mode == "graphs"
     assert ModelRunner(gpu, runner.cache, fused=False).backend.mode == "eager"
+    monkeypatch.setenv("RHYMERL_CUDA_GRAPHS", "0")
+    assert ModelRunner(gpu, runner.cache).backend.mode == "eager"
     torch.testing.assert_close(logits["cuda"], logits["cpu"], atol=1e-4, rtol=1e-4)
 
 

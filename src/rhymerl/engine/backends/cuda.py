@@ -8,8 +8,9 @@ copy is made. Each part's shape (`static_step.StaticShapes`) gets its graph the 
 captured over that shape's persistent buffers (`static_step.StaticStep`); a later part of the same shape fills
 the buffers and replays. What fits no bucket runs eagerly (`EagerBackend`, SDPA over the cache).
 
-Modes: "graphs" (the default); "static", the same parts and buffers run eagerly, no capture (how the tests
-run this class on a CPU); "eager", every step through `EagerBackend` (`RHYMERL_CUDA_GRAPHS=0`, the baseline).
+Modes: "graphs" (`RHYMERL_CUDA_GRAPHS=1`, opt-in until it has run on a GPU); "static", the same parts and
+buffers run eagerly, no capture (how the tests run this class on a CPU); "eager", every step through
+`EagerBackend` (the default for now, and the baseline).
 
 A forward returns as soon as its work is queued: the engine's draws wait for it, once a step
 (`engine.device_verification`), and the host builds the draws' inputs in the meantime. Whoever times a forward
