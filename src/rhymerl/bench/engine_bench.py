@@ -84,13 +84,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams, max_model_len: int,
-                  untimed_first: bool = False) -> tuple[int, float, Engine, float]:
-    """(generated tokens, seconds, the engine, untimed first run's seconds). With `untimed_first` (on a GPU), the same
-    rollout runs once untimed first, on the same engine: the CUDA backend captures a graph the first time a
-    step shape occurs, as transformers' compiled path compiles in its warm-up, and the keyed draws make the
-    timed run repeat the same shapes. In RL the engine lives across steps, so captures are a start-up cost."""
+                  untimed_first: bool | None = None) -> tuple[int, float, Engine, float]:
+    """(generated tokens, seconds, the engine, untimed first run's seconds). With `untimed_first` (None: where
+    the backend replays CUDA graphs), the same rollout runs once untimed first, on the same engine: the CUDA
+    backend captures a graph the first time a step shape occurs, as transformers' compiled path compiles in
+    its warm-up, and the keyed draws make the timed run repeat the same shapes. In RL the engine lives across
+    steps, so captures are a start-up cost."""
     engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len)
     warm_s = 0.0
+    if untimed_first is None:
+        untimed_first = getattr(engine.runner.backend, "mode", None) == "graphs"
     if untimed_first:
         t0 = time.perf_counter()
         engine.generate(prompts, params)
@@ -170,8 +173,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
     for b in batches:
         prompts = all_prompts[: counts[b]]
         progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
-        tok, sec, engine, warm_s = ours_generate(model, tokenizer, prompts, b, params, max_model_len,
-                                                 untimed_first=device.type == "cuda")
+        tok, sec, engine, warm_s = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
         ours_tok_s = tok / sec
         bound_tok_s = b / bound_forward_s
         row = {"prompts": len(prompts), "ours_tokens": tok, "ours_s": round(sec, 2), "ours_tok_s": round(ours_tok_s, 1),
