@@ -64,11 +64,11 @@ class CudaBackend(EagerBackend):
         self.captured = self.replays = self.eager_parts = 0
 
     def forward(self, step: Step) -> torch.Tensor:
-        parts = _parts(step.inputs, self.shapes.tree)
         if self.mode == "eager":
             self.eager_parts += 1
-            logits = super().forward(step)
-        elif len(parts) == 1 and step.inputs[0].prefix_from is None:
+            return super().forward(step)
+        parts = _parts(step.inputs, self.shapes.tree)
+        if len(parts) == 1 and step.inputs[0].prefix_from is None:
             logits = self._part(step, list(range(len(step.inputs))))
         else:
             pieces, order = [], []
