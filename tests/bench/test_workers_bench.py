@@ -11,6 +11,7 @@ import torch
 
 from rhymerl.bench import workers_bench
 from rhymerl.cli import main
+from rhymerl.rollout import ray_pool
 from rhymerl.rollout.types import WorkerStats
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
@@ -76,7 +77,7 @@ def test_two_ray_workers_need_two_gpus_on_cuda(monkeypatch):
 
 
 def test_bad_arguments_fail_before_ray_starts(monkeypatch, capsys):
-    monkeypatch.setattr(workers_bench.ray_pool, "connect", lambda address: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray_pool, "connect", lambda address: pytest.fail("Ray started"))
     assert main(["bench", "workers", "--steps", "0"]) == 2
     assert "steps >= 1" in capsys.readouterr().err
     assert main(["bench", "workers", "--set", "rollout.nope=1"]) == 2

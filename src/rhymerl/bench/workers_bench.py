@@ -44,7 +44,6 @@ from rhymerl.config import load_config
 from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
 from rhymerl.rl.loop import TrainingRun
-from rhymerl.rollout import ray_pool
 
 SETUPS = {"local1": ("local", 1), "ray1": ("ray", 1), "ray2": ("ray", 2)}  # name -> (backend, workers)
 # Per step: the loop's timings, then the parts of the rollout call measured by `RolloutProbe`.
@@ -165,6 +164,8 @@ def run(overrides: list[str] = (), steps: int = 4, warmup: int = 1, repeats: int
     for name, why in skipped.items():
         progress.note(f"{name} skipped: {why}")
     progress.stage(f"Ray cluster ({cfg.ray.address or 'a fresh local one'})")
+    from rhymerl.rollout import ray_pool  # the optional backend's import, where this bench chooses it
+
     ray_pool.connect(cfg.ray.address)
     timed: dict[str, list[dict]] = {name: [] for name in names}
     rollouts: dict[str, list] = {name: [] for name in names}

@@ -1,7 +1,7 @@
 """The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
 
-Importing this module imports ray (through `ray_pool`; it and `ray_actor` are the only modules that import it), so only the
-training loop imports it: `from rhymerl.rollout import ...` stays free of ray.
+Ray is imported only where the Ray backend is chosen (`ray_pool` and `ray_actor` are the only modules that import it),
+so a local run, `generate`, `report` and the benches that need no Ray work where ray is missing or broken.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 from rhymerl.cost_model import CostModel
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
-from rhymerl.rollout import ray_pool
 from rhymerl.rollout.local import LocalPool
 from rhymerl.rollout.types import RolloutPool
 from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
@@ -35,6 +34,8 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
         return LocalPool(RolloutWorker(policy, tokenizer, worker_config, cost_model=cost_model), history,
                          max_restarts=max_worker_restarts)
     if backend == "ray":
+        from rhymerl.rollout import ray_pool  # the optional backend's import, where it is chosen
+
         ray_pool.connect(ray_address)
         return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
                                 device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
