@@ -129,9 +129,10 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_train_cmd(*_overrides(tiny_dir, killed, *common)), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # a loaded 2-core machine can take minutes to reach step 2
     while time.time() < deadline and not (killed / "checkpoints" / "step_000002" / "state.json").exists():
         time.sleep(0.05)
+    assert (killed / "checkpoints" / "step_000002").exists(), "the run did not write its step-2 checkpoint in time"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL  # killed, not finished (nor failed) before the signal
