@@ -2,17 +2,18 @@
 and range in its metadata, and each section validating itself (`validate` checks a whole `TrainConfig`).
 
 The dataclass defaults are the first layer of a config (they run the embedded arithmetic job on smollm2-135m);
-`rhymerl.config.loading` merges YAML files and overrides into them. No torch here (see `rhymerl.config`).
+`rhymerl.config.loading` merges YAML files and overrides into them. The field machinery (a field's metadata,
+the per-field checks) is `rhymerl.config.fields`. No torch here (see `rhymerl.config`).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
 
+from rhymerl.config.fields import ConfigError, field_errors, must_be
+from rhymerl.config.fields import option as _opt
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
@@ -37,35 +38,6 @@ ROLLOUT_SCHEDULES = ("static", "least_loaded", "histopipe")  # rhymerl.rollout.r
 ROLLOUT_MODES = ("sync", "one_step_off")  # rhymerl.rl.loop.TrainingRun runs each
 
 
-class ConfigError(ValueError):
-    """A config file, override or value is invalid; the message names the offending key."""
-
-
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, check: str | None = None) -> Any:
-    """A dataclass field with its help text, allowed values and range kept in the field metadata.
-
-    `check` is a bound as the error message words it: '>= 0', '> 0', 'in [0, 1)', 'in (0, 1]'.
-    """
-    return field(default=default, metadata={"help": help, "choices": choices, "check": check})
-
-
-def _holds(value: float, check: str) -> bool:
-    """Whether `value` is within the bound `check` (see `_opt`)."""
-    if check.startswith("in "):
-        lo, hi = map(float, check[4:-1].split(","))
-        return (lo <= value if check[3] == "[" else lo < value) and (value <= hi if check[-1] == "]" else value < hi)
-    op, bound = check.split()[:2]  # '>= 0 (0 = no clipping)' -> '>=', '0'
-    return value >= float(bound) if op == ">=" else value > float(bound)
-
-
-def _is_a(value: Any, typ: type) -> bool:
-    """`value` fits a field of type `typ` (an int fits a float; a bool is not a number; a `tuple[X, ...]`
-    field holds a tuple of X)."""
-    if typing.get_origin(typ) is tuple:
-        return isinstance(value, tuple) and all(_is_a(v, typing.get_args(typ)[0]) for v in value)
-    return isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
-
-
 class _Section:
     """A config section; it validates itself: types, finite numbers, then choices, ranges and its `_rules`."""
 
@@ -75,32 +47,12 @@ class _Section:
 
     def validate(self) -> list[str]:
         """Every invalid value of this section, one line each naming its key; [] when valid."""
-        section = _SECTION_NAMES[type(self)]
-        types = _TYPES[section]
-
-        def bad(name: str, rule: str, note: str = "") -> str:
-            return f"{section}.{name}: must be {rule}, got {getattr(self, name)!r}{note}"
-
-        errors = []
-        for f in fields(self):  # type: ignore[arg-type]
-            value, typ = getattr(self, f.name), types[f.name]
-            if not _is_a(value, typ):
-                hint = " (true/false)" if typ is bool else ""
-                errors.append(f"{section}.{f.name}: expected {typ.__name__}{hint}, got {value!r}")
-            elif typ is float and not math.isfinite(value):
-                errors.append(bad(f.name, "a finite number"))
-            elif typing.get_origin(typ) is tuple and typing.get_args(typ)[0] is float and \
-                    not all(map(math.isfinite, value)):
-                errors.append(bad(f.name, "finite numbers"))
-        if errors:  # range checks on a value of the wrong type would raise TypeError
+        section = _SECTION_NAMES[type(self)]  # its field name in TrainConfig (below)
+        errors, typed = field_errors(section, self, _TYPES[section])
+        if not typed:
             return errors
-        for f in fields(self):  # type: ignore[arg-type]
-            choices, check = f.metadata.get("choices"), f.metadata.get("check")
-            if choices is not None and getattr(self, f.name) not in choices:
-                errors.append(bad(f.name, f"one of {', '.join(map(repr, choices))}"))
-            if check is not None and not _holds(getattr(self, f.name), check):
-                errors.append(bad(f.name, check))
-        return errors + [bad(name, rule, *note) for name, holds, rule, *note in self._rules() if not holds]
+        return errors + [must_be(section, self, name, rule, *note)
+                         for name, holds, rule, *note in self._rules() if not holds]
 
 
 # ---------------------------------------------------------------- sections
