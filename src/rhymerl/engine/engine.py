@@ -56,7 +56,7 @@ class StepEvent:
 class Engine:
     """Continuous-batching rollout engine.
 
-    speculative: "off" (one token per slot per step) or "histospec" (DESIGN 3: drafts from `history`,
+    speculative: "off" (one token per slot per step) or "histospec" (docs/histospec.md: drafts from `history`,
     the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
     model that HistoSpec otherwise measures at start-up (pass `other.cost_model` to reuse what an engine
     on the same model and slot count measured); `draft_rule` is "cost" (every

@@ -1,4 +1,4 @@
-"""A discrete-event simulation of one rollout step on many workers (DESIGN section 4, "Simulator").
+"""A discrete-event simulation of one rollout step on many workers (docs/design.md, section 3, HistoPipe).
 
 Driven by each request's true length and the measured cost model, so that policies can be compared at 8,
 64 or 1,024 workers without the hardware. The assignment comes from `rhymerl.histopipe.plan.plan`, the code
