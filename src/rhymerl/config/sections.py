@@ -162,7 +162,7 @@ class RolloutSection(_Section):
                                 "longest_first = longest predicted length first, from the history (HistoPipe "
                                 "inside a worker; the same tokens, other timing); alternate = shortest first on "
                                 "odd steps, longest first on even ones (for mode=one_step_off)", ADMISSION_ORDERS)
-    # static and off until `rhymerl bench pipe`'s two-worker runs show histopipe / migration ahead (2026-11-25)
+    # static and off until `rhymerl bench pipe`'s two-worker runs show histopipe / migration ahead
     schedule: str = _opt("static", "backend=ray: how a step's groups are split among the workers (a group stays "
                          "on one worker): static = equal contiguous shares (verl); least_loaded = request counts "
                          "balanced (OpenRLHF/slime); histopipe = predicted lengths from the history, balanced on "
@@ -193,7 +193,7 @@ class TrainSection(_Section):
 
     # 16 steps and, at 0, prompts per step by the machine (rl/run_settings.DEFAULT_PROMPTS_PER_STEP, resolved at
     # start into the run's config.yaml): the embedded job shows learning within ~10 minutes on a 2-core CPU
-    # whether its update runs in bf16 or, without native bf16, in fp32 (notebook 2026-11-26)
+    # whether its update runs in bf16 or, without native bf16, in fp32 (docs/notebook)
     total_steps: int = _opt(16, "rollout steps, each one update of num_iterations optimiser steps", check=">= 1")
     prompts_per_step: int = _opt(0, "prompts per rollout batch (x num_generations completions); 0 = by the "
                                  "machine: 4 where the update runs in bf16, 2 in fp32", check=">= 0")
