@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import sys
 
-# The commands moved to rhymerl.commands (2026-11-25); their names stay importable from here.
+# The commands moved to rhymerl.commands; their names stay importable from here.
 from rhymerl.commands.bench import (cmd_bench_e2e, cmd_bench_engine, cmd_bench_matmul,  # noqa: F401
                                     cmd_bench_pipe, cmd_bench_spec, cmd_bench_workers)
 from rhymerl.commands.generate import cmd_generate, encode  # noqa: F401

@@ -1,7 +1,7 @@
 """The forward-time model (torch-free): how long one engine forward takes for a given batch shape.
 
 An engine measures it once at start-up (`measure`, with a callback that times real forwards), HistoSpec reads
-it to decide how many draft tokens a step should verify (DESIGN 3.3), and `rhymerl bench spec` reads its
+it to decide how many draft tokens a step should verify (docs/design.md, section 7), and `rhymerl bench spec` reads its
 ceiling. It is plain data (`as_dict` / `from_dict`), so a measured model can be handed to another engine, saved
 beside a checkpoint or sent to a worker process.
 """

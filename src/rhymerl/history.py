@@ -1,4 +1,4 @@
-"""Per-prompt rollout history for HistoSpec (DESIGN.md section 3.1).
+"""Per-prompt rollout history for HistoSpec (docs/design.md, section 3).
 
 For each prompt (keyed by a hash of its token ids) the store keeps the prompt and the responses of
 its last `max_rollouts` rollouts with their rewards. Memory is bounded by a per-prompt and a total

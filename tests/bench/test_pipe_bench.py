@@ -115,7 +115,7 @@ def test_real_runs_fifo_vs_longest_first_give_the_same_tokens():
 
 
 def test_two_ray_workers_run_every_schedule_with_the_same_tokens(cluster, capsys):
-    """Part (b) on two Ray workers (2026-11-25): static, least_loaded, histopipe and histopipe with migration
+    """Part (b) on two Ray workers: static, least_loaded, histopipe and histopipe with migration
     on the same groups, each twice; the figures' shape, the same tokens, and the table."""
     model_dir, _ = tiny_checkpoint("llama")
     real = pipe_bench.run_ray(model_dir, random_prompts(6, seed=5), num_generations=2, slots=2, max_tokens=16,
@@ -132,7 +132,7 @@ def test_two_ray_workers_run_every_schedule_with_the_same_tokens(cluster, capsys
 
 
 def test_runs_per_mode_and_gantt_charts(trace, cost_file, tmp_path, capsys):
-    """2026-11-25: sync and one_step_off runs per policy (JSON, table) and one Gantt PNG per worker count up
+    """Sync and one_step_off runs per policy (JSON, table) and one Gantt PNG per worker count up
     to 64, policy and mode, in --out."""
     out = tmp_path / "charts"
     rc = main(["bench", "pipe", "--trace", str(trace), "--cost-from", str(cost_file), "--workers", "2,65",

@@ -3,8 +3,6 @@ where there is no GPU. The RL loop's own tests (test_training_loop.py) also run 
 one: `TrainingRun` takes it."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,14 +19,9 @@ from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
 from rhymerl.rl.trainer import PolicyTrainer
 
-# Helpers of the tests this file repeats on the GPU, from their folders (pytest puts a test file's folder on
-# sys.path only when it collects that file, which may be after this one).
-TESTS = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(TESTS / "histospec"), str(TESTS / "rl")]
-from test_engine import reference_generate  # noqa: E402
-from test_histospec import FLAT, history_of, peaky  # noqa: E402
-from test_trainer import _samples  # noqa: E402
-from tiny_models import random_prompts, tiny_decoder  # noqa: E402
+from helpers import FLAT, history_of, peaky, training_samples
+from test_engine import reference_generate  # this folder's: the dense reference of the engine's tests
+from tiny_models import random_prompts, tiny_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -163,7 +156,7 @@ def test_trainer_update_on_cuda_matches_the_cpu():
     gpu = copy.deepcopy(cpu).to("cuda")
     cfg = TrainSection(micro_batch_size=2, loss_type="dapo", dtype="fp32", max_grad_norm=1.0, learning_rate=1e-3,
                        recompute_logprobs=False)
-    samples = _samples(group=3)
+    samples = training_samples(group=3)
     metrics, grads = {}, {}
     for name, model in (("cpu", cpu), ("cuda", gpu)):
         trainer = PolicyTrainer(model, cfg, temperature=0.7, max_completion_length=8)

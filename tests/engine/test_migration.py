@@ -1,4 +1,4 @@
-"""Migration between engines (2026-11-25): a request taken out of one engine at a step boundary
+"""Migration between engines: a request taken out of one engine at a step boundary
 (`Engine.extract`) and adopted by another on the same weights (`Engine.adopt`) ends exactly as it would have
 on the first: the same tokens and, to float tolerance, the same logprobs (fp32; sampled and greedy;
 HistoSpec on and off; EOS on). The adopting engine counts the migration and its re-prefill."""

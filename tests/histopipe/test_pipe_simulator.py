@@ -91,7 +91,7 @@ def test_simulate_steps_learns_lengths_from_the_steps_before():
     assert makespan(second.timeline) == makespan(oracle) < makespan(first.timeline)
 
 
-# ------------------------------------------------------------------ runs of steps: sync vs one_step_off (2026-11-25)
+# ------------------------------------------------------------------ runs of steps: sync vs one_step_off
 
 UNIT = lambda t, s=1: 1.0  # noqa: E731  every decode step 1 s, whatever the batch
 

@@ -13,19 +13,11 @@ from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS, Speculator
 from rhymerl.histospec.verify import verify
 from rhymerl.history import HistoryStore
+from helpers import FLAT, history_of, peaky
 from suffix_index_check import check_suffix_index
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 STEEP = CostModel([1, 64], [1, 64], [[1.0, 64.0], [64.0, 4096.0]])  # every token costs a forward: never
-
-
-def peaky(model, scale=6.0):
-    """A random model is nearly uniform, so its responses never repeat and no draft is ever accepted.
-    Sharpening its output distribution (as training does to a policy) makes history predictive."""
-    with torch.no_grad():
-        model.norm.weight.mul_(scale)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +64,6 @@ def test_length_rules():
     aimd, dbl = AIMDLength(), DoublingLength()
     assert [aimd.next(2, 2, 2), aimd.next(4, 4, 1), aimd.next(32, 32, 32), aimd.next(6, 0, 0)] == [4, 2, 32, 6]
     assert [dbl.next(2, 2, 2), dbl.next(8, 8, 3), dbl.next(16, 16, 16), dbl.next(2, 2, 0)] == [4, 4, 16, 2]
-
-
-def history_of(model, prompts, params, n_gen=3):
-    """A previous 'epoch': n_gen responses per prompt with other seeds, recorded as history."""
-    store = HistoryStore()
-    for g in range(n_gen):
-        p = SamplingParams(**{**params.__dict__, "seed": params.seed + 100 + g})
-        outs = engine(model, "off").generate(prompts, p)
-        for prompt, o in zip(prompts, outs):
-            store.record_rollout(prompt, [o.token_ids], [1.0])
-    return store
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-d64"])  # d64: decode rows in the fused decode attention

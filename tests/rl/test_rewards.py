@@ -107,7 +107,7 @@ def test_scorer_default_with_format_weight():
 
 def test_a_completion_cut_off_at_the_length_limit_earns_no_format_reward():
     """Its text cannot tell: a response cut off inside a repeated '#### ...' line ends with one (the default
-    job learned exactly that, notebook 2026-11-26); correctness is still scored."""
+    job learned exactly that, docs/notebook); correctness is still scored."""
     looping = "#### 4\n#### 4\n#### 4"
     batch = RewardScorer(format_weight=0.5).score([looping, looping, "#### 5"], [example()] * 3,
                                                   finished=[False, True, False])

@@ -17,21 +17,8 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.rl.losses import entropy_from_logits, policy_loss
 from rhymerl.rl.logprobs import ROWS_PER_CHUNK, Sample, TargetLogprobs, token_logprobs
 from rhymerl.rl.trainer import PolicyTrainer, lr_multiplier
-from tiny_models import VOCAB, random_prompts, tiny_decoder
-
-
-def _samples(seed: int = 0, n: int = 6, group: int = 1) -> list[Sample]:
-    """n samples; with group > 1, consecutive runs of `group` samples share a prompt (GRPO siblings)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [p for p in random_prompts(n // group, seed=seed) for _ in range(group)]
-    out = []
-    for i, p in enumerate(prompts):
-        k = int(torch.randint(1, 9, (1,), generator=g))
-        comp = torch.randint(0, VOCAB, (k,), generator=g).tolist()
-        old = (-torch.rand(k, generator=g) * 3 - 1).tolist()  # off-policy enough that clipping happens
-        adv = 0.0 if i % 3 == 0 else float(torch.randn(1, generator=g))
-        out.append(Sample(p, comp, old, adv))
-    return out
+from helpers import training_samples
+from tiny_models import random_prompts, tiny_decoder
 
 
 def _reference_grads(model, samples, loss_type, temperature=0.7, beta=0.0, ref=None):
@@ -75,7 +62,7 @@ def _reference_grads(model, samples, loss_type, temperature=0.7, beta=0.0, ref=N
 def test_microbatched_update_equals_big_batch_reference(loss_type, group, micro):
     """Micro-batching, sibling rows sharing their prompt and skipped zero-advantage samples change nothing."""
     model = tiny_decoder().train()
-    samples = _samples(group=group)
+    samples = training_samples(group=group)
     expected = _reference_grads(model, samples, loss_type)
     cfg = TrainSection(micro_batch_size=micro, loss_type=loss_type, dtype="fp32", max_grad_norm=0.0, learning_rate=1e-3,
                        recompute_logprobs=False)  # the reference uses the samples' (rollout) old log-probs
@@ -95,7 +82,7 @@ def test_kl_term_matches_reference_and_trains_every_sequence():
     with torch.no_grad():  # make the policy differ from the reference so the KL term is non-zero
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    samples = _samples(1)
+    samples = training_samples(1)
     expected = _reference_grads(model, samples, "dapo", beta=0.1, ref=ref)
     cfg = TrainSection(micro_batch_size=4, loss_type="dapo", dtype="fp32", max_grad_norm=0.0, beta=0.1,
                        recompute_logprobs=False)
@@ -146,7 +133,7 @@ def test_update_changes_weights_and_reports_metrics():
     before = copy.deepcopy(model.state_dict())
     cfg = TrainSection(micro_batch_size=3, dtype="fp32", learning_rate=1e-2, num_iterations=2, recompute_logprobs=False)
     trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
-    m = trainer.update(_samples(2))
+    m = trainer.update(training_samples(2))
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert m["actor/grad_norm"] > 0 and 0 <= m["actor/pg_clipfrac"] <= 1 and m["actor/lr"] == pytest.approx(1e-2)
     assert m["actor/logprob_diff_max"] > 0  # the synthetic old log-probs are not the model's
@@ -156,7 +143,7 @@ def test_all_zero_advantages_skip_the_update():
     model = tiny_decoder().train()
     before = copy.deepcopy(model.state_dict())
     trainer = PolicyTrainer(model, TrainSection(dtype="fp32"), temperature=1.0, max_completion_length=8)
-    samples = [Sample(s.prompt_ids, s.completion_ids, s.logprobs, 0.0) for s in _samples()]
+    samples = [Sample(s.prompt_ids, s.completion_ids, s.logprobs, 0.0) for s in training_samples()]
     m = trainer.update(samples)
     assert m["actor/trained_seqs"] == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -166,9 +153,9 @@ def test_samples_carry_their_temperature_and_the_trainer_refuses_another():
     """A sample records the temperature it was drawn at; greedy (0) samples' log-probs are at temperature 1."""
     model = tiny_decoder()
     trainer = PolicyTrainer(model, TrainSection(dtype="fp32"), temperature=1.0, max_completion_length=8)
-    greedy = [dataclasses.replace(s, temperature=0.0) for s in _samples()]
+    greedy = [dataclasses.replace(s, temperature=0.0) for s in training_samples()]
     trainer.update(greedy)  # greedy: log-probs at temperature 1, as this trainer takes them
-    hot = [dataclasses.replace(s, temperature=0.7) for s in _samples()]
+    hot = [dataclasses.replace(s, temperature=0.7) for s in training_samples()]
     with pytest.raises(ValueError, match="temperature"):
         trainer.update(hot)
 
@@ -190,7 +177,7 @@ def _lr_case(kind, iterations, warmup):
     trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
     used = []  # the LR each optimizer step ran with
     trainer.optimizer.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
-    after = [trainer.update(_samples(step, n=3))["actor/lr"] for step in range(4)]
+    after = [trainer.update(training_samples(step, n=3))["actor/lr"] for step in range(4)]
     return used, after
 
 
@@ -240,7 +227,7 @@ def test_metrics_average_over_every_iteration_and_every_completion_token():
     recomputed here by a plain loop from the weights each optimizer step ran with."""
     eps, eps_high = 0.2, 0.28
     model = tiny_decoder().train()
-    samples = _samples(7, n=6, group=3)
+    samples = training_samples(7, n=6, group=3)
     cfg = TrainSection(dtype="fp32", micro_batch_size=4, num_iterations=2, learning_rate=0.05, max_grad_norm=0.0,
                        epsilon=eps, epsilon_high=eps_high, loss_type="dapo")
     trainer = PolicyTrainer(model, cfg, temperature=1.0, max_completion_length=8)
@@ -294,7 +281,7 @@ def test_bf16_autocast_update_runs():
     model = tiny_decoder().train()
     trainer = PolicyTrainer(model, TrainSection(dtype="bf16", micro_batch_size=4), temperature=1.0,
                             max_completion_length=8)
-    m = trainer.update(_samples(4))
+    m = trainer.update(training_samples(4))
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
     assert m["actor/grad_norm"] > 0
 
@@ -302,7 +289,7 @@ def test_bf16_autocast_update_runs():
 def test_sibling_rows_give_each_completion_its_own_logprobs():
     """A prompt with several completions in one row equals each completion run alone (fp32)."""
     model = tiny_decoder()
-    samples = _samples(5, n=4, group=4)
+    samples = training_samples(5, n=4, group=4)
     together, mask, _ = token_logprobs(model, samples, 1.0, None)
     for b, s in enumerate(samples):
         alone, _, _ = token_logprobs(model, [s], 1.0, None)
@@ -318,7 +305,7 @@ def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
     for noise in (0.0, 1e-6):
         model = tiny_decoder().train()
         samples = [Sample(s.prompt_ids, s.completion_ids, [x + noise for x in s.logprobs], s.advantage)
-                   for s in _samples(3, group=3)]
+                   for s in training_samples(3, group=3)]
         trainer = PolicyTrainer(model, TrainSection(dtype="fp32", micro_batch_size=4, num_iterations=2,
                                                     learning_rate=1e-2), temperature=1.0, max_completion_length=8)
         m = trainer.update(samples)

@@ -376,7 +376,7 @@ def test_the_update_runs_with_deterministic_algorithms_and_the_rollout_without(t
 def test_auto_dtype_is_bf16_only_where_bf16_matmuls_are_native(tiny_dir, tmp_path, monkeypatch, native_bf16):
     """dtype=auto (the default) runs the rollout in bf16 and the update under bf16 autocast where the device
     multiplies bf16 natively, and both in fp32 elsewhere: on an AVX2-only CPU a bf16 matmul is several times
-    slower than fp32 (docs/notebook/2026-11-22.md, bench engine at 733015d). What "auto" became, and the
+    slower than fp32 (docs/notebook, bench engine at 733015d). What "auto" became, and the
     default job's batch that follows from it (train.prompts_per_step left at 0 here), is what the run uses and
     writes into its config.yaml."""
     monkeypatch.setattr(pretrained, "has_fast_bf16", lambda device: native_bf16)

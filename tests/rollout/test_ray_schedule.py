@@ -1,4 +1,4 @@
-"""HistoPipe across real workers (issue 24 items 3-4, 2026-11-25): `rollout.schedule` splits a call's groups by
+"""HistoPipe across real workers (issue 24 items 3-4): `rollout.schedule` splits a call's groups by
 `histopipe.plan.plan` in the Ray pool, and `rollout.migration` moves requests from a busy worker to an idle
 one at a step boundary. Under every schedule, migrated or not, each response comes back once with the tokens
 of the in-process pool (tiny model, fp32, keyed randomness)."""

@@ -1,4 +1,4 @@
-"""Per-worker timelines of real rollout calls (2026-11-25): the bubble metrics on hand-made timelines, a real
+"""Per-worker timelines of real rollout calls: the bubble metrics on hand-made timelines, a real
 LocalPool call's timeline, RUN_DIR/timeline.jsonl across a resume, and the report's Gantt chart."""
 
 import json

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
-# parts (a) and (b), importable from here as before the splits (2026-11-25)
+# parts (a) and (b), importable from here as before the splits
 from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figures, log,  # noqa: F401
                                      print_real_tables, rounded, run_ray, run_real)
 from rhymerl.bench.pipe_sim import (DEFAULT_WORKERS, GANTT_MAX_WORKERS, draw_step, draw_steps,  # noqa: F401

@@ -7,7 +7,7 @@ epoch's groups run with `admission="fifo"` and `"longest_first"`, alternating `r
 request ids and seed, the median rollout seconds of each reported, and the tokens checked identical (keyed
 randomness: only the timing may change).
 
-`run_ray` (2026-11-25): two Ray workers (`RayPool`) on the same prompts: a first epoch recorded, then every
+`run_ray`: two Ray workers (`RayPool`) on the same prompts: a first epoch recorded, then every
 schedule of `rollout.schedule` (static, least_loaded, histopipe) and histopipe with migration on the second
 epoch's groups, `repeats` rounds in rotating order, the median makespan (the call's wall time), bubble ratio
 (1 - the workers' busy time / (workers x makespan)) and finish gap of each, tokens checked identical across

@@ -14,7 +14,7 @@ policy (`plan.POLICIES`) runs the same groups through `simulate`; per policy the
 bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for `histopipe` its
 share of `oracle` (oracle makespan / histopipe makespan).
 
-Then runs of `run_steps` such steps in a row (2026-11-25; `simulate_run`), step 1 the step above and each
+Then runs of `run_steps` such steps in a row (`simulate_run`), step 1 the step above and each
 next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
 `train_s` seconds (default 0: the trainer is not part of this bench; then one_step_off's gain is the
 workers' bubbles alone). Each step is planned once and run in both modes. Per policy and mode: the run's

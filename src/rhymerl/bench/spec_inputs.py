@@ -25,7 +25,7 @@ def load_prompts(tokenizer, data: str | None, n: int, seed: int) -> list[list[in
 
 def history_of_run(run_dir: str | Path) -> tuple[HistoryStore, Path]:
     """The history store of a training run's latest checkpoint, and that checkpoint's directory. Only its
-    history.json is read (2026-11-25): the checkpoint's trainer.pt, a pickle, is never loaded here. Raises
+    history.json is read: the checkpoint's trainer.pt, a pickle, is never loaded here. Raises
     FileNotFoundError without a checkpoint or history, UserError for a file that is not a history store."""
     ckpt = latest_checkpoint(Path(run_dir))
     if ckpt is None:

@@ -12,8 +12,10 @@ raise `ConfigError` with a message that names the key (and the file).
 
 The parts, each importing only those before it:
 
+- `fields`: the field machinery: a field with its help, choices and range (`option`), the per-field checks,
+  `ConfigError`;
 - `sections`: the dataclass sections (help text, choices and ranges in the field metadata, per-section
-  `validate`), `TrainConfig`, the choice lists and `ConfigError`;
+  `validate`), `TrainConfig`, the choice lists;
 - `loading`: YAML and override layers merged on OmegaConf, its errors translated, did-you-mean for unknown keys;
 - `help`: `config_help`, the key reference of `rhymerl train --help`.
 

@@ -2,17 +2,18 @@
 and range in its metadata, and each section validating itself (`validate` checks a whole `TrainConfig`).
 
 The dataclass defaults are the first layer of a config (they run the embedded arithmetic job on smollm2-135m);
-`rhymerl.config.loading` merges YAML files and overrides into them. No torch here (see `rhymerl.config`).
+`rhymerl.config.loading` merges YAML files and overrides into them. The field machinery (a field's metadata,
+the per-field checks) is `rhymerl.config.fields`. No torch here (see `rhymerl.config`).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
 
+from rhymerl.config.fields import ConfigError, field_errors, must_be
+from rhymerl.config.fields import option as _opt
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
 
 __all__ = [
@@ -37,35 +38,6 @@ ROLLOUT_SCHEDULES = ("static", "least_loaded", "histopipe")  # rhymerl.rollout.r
 ROLLOUT_MODES = ("sync", "one_step_off")  # rhymerl.rl.loop.TrainingRun runs each
 
 
-class ConfigError(ValueError):
-    """A config file, override or value is invalid; the message names the offending key."""
-
-
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, check: str | None = None) -> Any:
-    """A dataclass field with its help text, allowed values and range kept in the field metadata.
-
-    `check` is a bound as the error message words it: '>= 0', '> 0', 'in [0, 1)', 'in (0, 1]'.
-    """
-    return field(default=default, metadata={"help": help, "choices": choices, "check": check})
-
-
-def _holds(value: float, check: str) -> bool:
-    """Whether `value` is within the bound `check` (see `_opt`)."""
-    if check.startswith("in "):
-        lo, hi = map(float, check[4:-1].split(","))
-        return (lo <= value if check[3] == "[" else lo < value) and (value <= hi if check[-1] == "]" else value < hi)
-    op, bound = check.split()[:2]  # '>= 0 (0 = no clipping)' -> '>=', '0'
-    return value >= float(bound) if op == ">=" else value > float(bound)
-
-
-def _is_a(value: Any, typ: type) -> bool:
-    """`value` fits a field of type `typ` (an int fits a float; a bool is not a number; a `tuple[X, ...]`
-    field holds a tuple of X)."""
-    if typing.get_origin(typ) is tuple:
-        return isinstance(value, tuple) and all(_is_a(v, typing.get_args(typ)[0]) for v in value)
-    return isinstance(value, (int, float) if typ is float else typ) and (typ is bool or not isinstance(value, bool))
-
-
 class _Section:
     """A config section; it validates itself: types, finite numbers, then choices, ranges and its `_rules`."""
 
@@ -75,32 +47,12 @@ class _Section:
 
     def validate(self) -> list[str]:
         """Every invalid value of this section, one line each naming its key; [] when valid."""
-        section = _SECTION_NAMES[type(self)]
-        types = _TYPES[section]
-
-        def bad(name: str, rule: str, note: str = "") -> str:
-            return f"{section}.{name}: must be {rule}, got {getattr(self, name)!r}{note}"
-
-        errors = []
-        for f in fields(self):  # type: ignore[arg-type]
-            value, typ = getattr(self, f.name), types[f.name]
-            if not _is_a(value, typ):
-                hint = " (true/false)" if typ is bool else ""
-                errors.append(f"{section}.{f.name}: expected {typ.__name__}{hint}, got {value!r}")
-            elif typ is float and not math.isfinite(value):
-                errors.append(bad(f.name, "a finite number"))
-            elif typing.get_origin(typ) is tuple and typing.get_args(typ)[0] is float and \
-                    not all(map(math.isfinite, value)):
-                errors.append(bad(f.name, "finite numbers"))
-        if errors:  # range checks on a value of the wrong type would raise TypeError
+        section = _SECTION_NAMES[type(self)]  # its field name in TrainConfig (below)
+        errors, typed = field_errors(section, self, _TYPES[section])
+        if not typed:
             return errors
-        for f in fields(self):  # type: ignore[arg-type]
-            choices, check = f.metadata.get("choices"), f.metadata.get("check")
-            if choices is not None and getattr(self, f.name) not in choices:
-                errors.append(bad(f.name, f"one of {', '.join(map(repr, choices))}"))
-            if check is not None and not _holds(getattr(self, f.name), check):
-                errors.append(bad(f.name, check))
-        return errors + [bad(name, rule, *note) for name, holds, rule, *note in self._rules() if not holds]
+        return errors + [must_be(section, self, name, rule, *note)
+                         for name, holds, rule, *note in self._rules() if not holds]
 
 
 # ---------------------------------------------------------------- sections
@@ -210,7 +162,7 @@ class RolloutSection(_Section):
                                 "longest_first = longest predicted length first, from the history (HistoPipe "
                                 "inside a worker; the same tokens, other timing); alternate = shortest first on "
                                 "odd steps, longest first on even ones (for mode=one_step_off)", ADMISSION_ORDERS)
-    # static and off until `rhymerl bench pipe`'s two-worker runs show histopipe / migration ahead (2026-11-25)
+    # static and off until `rhymerl bench pipe`'s two-worker runs show histopipe / migration ahead
     schedule: str = _opt("static", "backend=ray: how a step's groups are split among the workers (a group stays "
                          "on one worker): static = equal contiguous shares (verl); least_loaded = request counts "
                          "balanced (OpenRLHF/slime); histopipe = predicted lengths from the history, balanced on "
@@ -241,7 +193,7 @@ class TrainSection(_Section):
 
     # 16 steps and, at 0, prompts per step by the machine (rl/run_settings.DEFAULT_PROMPTS_PER_STEP, resolved at
     # start into the run's config.yaml): the embedded job shows learning within ~10 minutes on a 2-core CPU
-    # whether its update runs in bf16 or, without native bf16, in fp32 (notebook 2026-11-26)
+    # whether its update runs in bf16 or, without native bf16, in fp32 (docs/notebook)
     total_steps: int = _opt(16, "rollout steps, each one update of num_iterations optimiser steps", check=">= 1")
     prompts_per_step: int = _opt(0, "prompts per rollout batch (x num_generations completions); 0 = by the "
                                  "machine: 4 where the update runs in bf16, 2 in fp32", check=">= 0")

@@ -56,7 +56,7 @@ class StepEvent:
 class Engine:
     """Continuous-batching rollout engine.
 
-    speculative: "off" (one token per slot per step) or "histospec" (DESIGN 3: drafts from `history`,
+    speculative: "off" (one token per slot per step) or "histospec" (docs/histospec.md: drafts from `history`,
     the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
     model that HistoSpec otherwise measures at start-up (pass `other.cost_model` to reuse what an engine
     on the same model and slot count measured); `draft_rule` is "cost" (every
@@ -160,7 +160,7 @@ class Engine:
         """The requests not finished yet: waiting ones in queue order, then running ones in slot order."""
         return list(self.scheduler.waiting) + [self.scheduler.running[s] for s in sorted(self.scheduler.running)]
 
-    # ---- migration (2026-11-25, `rhymerl.engine.migration`): a request handed over at a step boundary --
+    # ---- migration (`rhymerl.engine.migration`): a request handed over at a step boundary --
     def extract(self, request_id: int | str) -> Continuation:
         """Take an unfinished request out of this engine between two steps, freeing its slot, as plain data
         another engine can `adopt`. KeyError when no unfinished request has that id."""

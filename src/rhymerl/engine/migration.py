@@ -1,4 +1,4 @@
-"""Migration between engines (2026-11-25): a request handed over at a step boundary.
+"""Migration between engines: a request handed over at a step boundary.
 
 `extract` takes an unfinished request out of an engine between two steps, freeing its slot, as a
 `Continuation` (plain, picklable data: `rhymerl.engine.sequence`). `resume` sets up the request that another

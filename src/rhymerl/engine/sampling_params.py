@@ -1,6 +1,6 @@
 """Sampling settings and keyed randomness (torch-free).
 
-Keyed randomness (DESIGN 3.4): the random numbers that pick a token depend only on (seed, request id,
+Keyed randomness (docs/design.md, section 6.1): the random numbers that pick a token depend only on (seed, request id,
 position), through the 64-bit `draw_key`, never on the batch, the slot, the step or whether drafting was
 on. A request's output is therefore the same alone or in any batch, on any worker, with or without
 speculation (up to floating-point ties in the logits; see `sampler`).

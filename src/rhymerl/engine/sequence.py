@@ -40,7 +40,7 @@ class RequestOutput:
 
 @dataclass
 class Continuation:
-    """A request handed over between engines at a step boundary (migration, 2026-11-25): plain, picklable
+    """A request handed over between engines at a step boundary (migration): plain, picklable
     data. The engine that adopts it (`Engine.adopt`) prefills prompt + generated tokens and decodes on from
     output position len(output_ids); keyed randomness (seed, request id, position) makes the rest of the
     response the tokens the first engine would have drawn."""

@@ -16,7 +16,7 @@ class EngineStats:
     forward_s: float = 0.0  # of which in the model's forward (on a GPU: queuing it; it runs while the host goes on)
     device_wait_s: float = 0.0  # of which waiting for the device's results (on a GPU: the forward and the draws)
     seq_steps: int = 0  # sum over steps of the sequences in the step
-    # Migration (2026-11-25): requests handed to another engine (`Engine.extract`) and adopted from one
+    # Migration: requests handed to another engine (`Engine.extract`) and adopted from one
     # (`Engine.adopt`: each migration counts once, where it lands), the prompt + generated tokens the adopted
     # ones re-prefilled, and those tokens' share of the forward time of the steps that fed them.
     handed_over: int = 0

@@ -1,4 +1,4 @@
-"""HistoPipe: length-aware rollout scheduling from each prompt's history (DESIGN section 4). Torch-free.
+"""HistoPipe: length-aware rollout scheduling from each prompt's history (docs/design.md, section 3). Torch-free.
 
 The parts, one module each:
 

@@ -1,4 +1,4 @@
-"""Gantt charts of rollout steps, simulated or measured: one band per worker, time across (2026-11-25).
+"""Gantt charts of rollout steps, simulated or measured: one band per worker, time across.
 
 The one drawing of a `Timeline`, so that `rhymerl report` (a training run's measured steps,
 `RUN_DIR/timeline.jsonl`) and `rhymerl bench pipe` (simulated policies) draw the same picture:

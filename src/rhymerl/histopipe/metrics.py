@@ -1,4 +1,4 @@
-"""How much of a rollout step was bubbles, from its timeline (DESIGN section 4, "Bubbles", "Lower bound").
+"""How much of a rollout step was bubbles, from its timeline (docs/design.md, section 4).
 
 Plain functions of a `Timeline`, simulated or measured, so that both are judged the same way:
 

@@ -1,4 +1,4 @@
-"""Which rollout worker runs which GRPO group, and in what order (DESIGN section 4, "across workers").
+"""Which rollout worker runs which GRPO group, and in what order (docs/design.md, section 5).
 
 One interface, `plan`, for every policy, used by the real scheduler and by the simulator alike:
 

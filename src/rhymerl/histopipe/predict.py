@@ -1,4 +1,4 @@
-"""Response-length prediction from history, and how stable the length ranking is (DESIGN section 4).
+"""Response-length prediction from history, and how stable the length ranking is (docs/design.md, section 3, HistoPipe).
 
 "Lengths rhyme": a prompt's responses this epoch are about as long as its responses last epoch, and the
 ranking of prompts by length barely moves (the paper: 2-4% of prompts move far). `LengthPredictor` turns

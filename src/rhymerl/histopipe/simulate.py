@@ -1,4 +1,4 @@
-"""A discrete-event simulation of one rollout step on many workers (DESIGN section 4, "Simulator").
+"""A discrete-event simulation of one rollout step on many workers (docs/design.md, section 3, HistoPipe).
 
 Driven by each request's true length and the measured cost model, so that policies can be compared at 8,
 64 or 1,024 workers without the hardware. The assignment comes from `rhymerl.histopipe.plan.plan`, the code
@@ -11,7 +11,7 @@ from the ones before it (`LengthPredictor`) as a training run would.
 Prefill is left out unless `prefill` gives each group's seconds (say `cost_model(prompt_len, 1)`), paid once
 per group when its first request is admitted: its siblings share the prompt's prefill.
 
-`simulate_run` runs several steps in a row, in `rollout.mode` `sync` or `one_step_off` (2026-11-25), each
+`simulate_run` runs several steps in a row, in `rollout.mode` `sync` or `one_step_off`, each
 step planned by the same `plan` and run by the same `run_worker`. Weights version v is what the update of
 step v-1 produces (version 0: the initial weights); the update of step s starts once step s's rollout has
 fully finished (and the update before it has, the trainer being one), and takes `train_s` seconds.

@@ -30,7 +30,7 @@ class Timeline:
     def from_requests(cls, num_workers: int, worker: list[int], start: list[float], end: list[float]) -> "Timeline":
         """A measured step: request i ran on worker `worker[i]` (0 <= worker[i] < num_workers) from `start[i]`
         to `end[i]`, each request a group of its own. A worker is busy while at least one of its requests runs:
-        its busy intervals are the union of its requests' (2026-11-25)."""
+        its busy intervals are the union of its requests'."""
         if not len(worker) == len(start) == len(end):
             raise ValueError(f"one worker, start and end per request: got {len(worker)}, {len(start)}, {len(end)}")
         bad = [w for w in worker if not 0 <= w < num_workers]

@@ -1,4 +1,4 @@
-"""HistoSpec (DESIGN 3): speculative decoding whose drafts come from each prompt's earlier responses.
+"""HistoSpec (docs/histospec.md): speculative decoding whose drafts come from each prompt's earlier responses.
 
 - `suffix_index`: an incremental generalised suffix automaton over token sequences, with counts and weights.
 - `drafter`: draft token trees from history, siblings and the sequence itself.

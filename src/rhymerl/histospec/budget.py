@@ -1,5 +1,5 @@
-"""How much to draft (DESIGN 3.3): which draft nodes a step verifies, when drafting pauses, and the optional
-per-sequence draft-length rules.
+"""How much to draft (docs/design.md, section 7; docs/histospec.md): which draft nodes a step verifies, when
+drafting pauses, and the optional per-sequence draft-length rules.
 
 A node's value is the number of tokens it is expected to add (its calibrated path probability); a step's
 cost comes from the measured `CostModel`. The planners below keep the nodes that maximise expected committed

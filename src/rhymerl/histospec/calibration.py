@@ -7,7 +7,7 @@ depth d (0 = the committed token). By depth because continuing is not memoryless
 followed its history for 10 tokens is copying a span and likely goes on, while the first edge is where most
 drafts fail; one constant c (c**k) made long chains look worth far less than they are and kept the tail's
 drafts short. Also by match class: a draft from a match of LONG_MATCH tokens or more is followed clearly
-more often than one from a 2-token match (docs/notebook/2026-11-22.md, bench spec at e908d1a).
+more often than one from a 2-token match (docs/notebook, bench spec at e908d1a).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Draft trees for one running sequence, from history, siblings and the sequence itself (DESIGN.md 3.2).
+"""Draft trees for one running sequence, from history, siblings and the sequence itself (docs/histospec.md, "Drafts").
 
 Three sources, most trusted first:
 

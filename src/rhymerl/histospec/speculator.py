@@ -31,7 +31,7 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # The drafter matches up to MATCH_WINDOW recent tokens. A longer match tells apart sources that agree on the
 # last 7 tokens but not before: two responses caught in similar loops, or a history response that shares a
 # phrase but not the sentence. On the T=0.3 tail a 15-token window took clearly fewer forwards than 7
-# (docs/notebook/2026-11-23.md, bench spec at 021876b); 23 gained nothing more.
+# (docs/notebook, bench spec at 021876b); 23 gained nothing more.
 MATCH_WINDOW = 15
 
 
@@ -218,7 +218,7 @@ class Speculator:
           slowest sequence now decides when the rollout ends, and it is typically the poorly matched
           one, which a budget by value alone would starve.
 
-        Measured with `rhymerl bench spec` (docs/notebook/2026-11-22.md, bench spec at e908d1a)."""
+        Measured with `rhymerl bench spec` (docs/notebook, bench spec at e908d1a)."""
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
@@ -253,7 +253,7 @@ class Speculator:
         # (plain decoding would take longer to commit the same tokens) must exceed the time drafting took.
         # The kept drafts are verified either way (drafting is spent by now), but a step that saves less
         # counts as idle: at a high temperature a few promising-looking drafts per step otherwise kept
-        # every sequence drafting, for fewer tokens than the drafting cost (docs/notebook/2026-11-23.md, bench spec
+        # every sequence drafting, for fewer tokens than the drafting cost (docs/notebook, bench spec
         # at 919e14e).
         gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
         saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
@@ -294,7 +294,7 @@ class Speculator:
     def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int], kept: int | None = None) -> None:
         """Bookkeeping after verification: stats, calibration and the next draft length. `kept`: how many
         tokens the sequence appended (None = all it verified). The statistics count only accepted tokens the
-        output kept: past an EOS or a stop string the output drops them (2026-11-25; they counted before). The
+        output kept: past an EOS or a stop string the output drops them (they counted before). The
         calibration and the length rule still learn from every acceptance: they model the verifier."""
         if not draft.tokens:
             return

@@ -1,4 +1,4 @@
-"""Lossless verification of draft trees (DESIGN 3.4): the acceptance rule and the walk that applies it.
+"""Lossless verification of draft trees (docs/design.md, section 6.2): the acceptance rule and the walk that applies it.
 
 Let p be the policy's next-token distribution after temperature, top-k and top-p. A history draft is a point
 mass, so the exact speculative-sampling rule is:

@@ -24,7 +24,7 @@ def default_device() -> str:
 def has_fast_bf16(device: str | torch.device) -> bool:
     """Whether bf16 matmuls run natively on `device`: a CUDA GPU that supports bf16, or a CPU for which oneDNN
     has bf16 kernels (`onednn_bf16`). Elsewhere (an AVX2-only x86 such as AMD Zen 3) torch
-    falls back to a generic bf16 matmul, several times slower than fp32 (docs/notebook/2026-11-22.md, bench engine
+    falls back to a generic bf16 matmul, several times slower than fp32 (docs/notebook, bench engine
     at 733015d)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()

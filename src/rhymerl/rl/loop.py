@@ -1,5 +1,5 @@
-"""The RL loop (DESIGN 1-2): per step, prompts -> rollout (a `rhymerl.rollout` pool) -> rewards -> advantages
--> update -> weight sync -> history record; validation every `val.every` steps, checkpoints every
+"""The RL loop (docs/design.md, section 4): per step, prompts -> rollout (a `rhymerl.rollout` pool) -> rewards ->
+advantages -> update -> weight sync -> history record; validation every `val.every` steps, checkpoints every
 `run.save_every`. The loop owns the history store (the truth, checkpointed) and reaches rollout workers only
 through the pool, never an engine.
 

@@ -13,7 +13,7 @@ aggregated over completion tokens (mask) according to loss_type:
                 micro-batch to the whole batch's token count)
     "bnpo"    : the same as "dapo" here. TRL's "bnpo" normalises by the tokens of each local (micro-)batch
                 instead, so its loss moves with the micro-batch split; rhymerl's always uses the whole batch's
-                count, i.e. its "bnpo" is TRL's "dapo" (checked against TRL's GRPOConfig docs, 2026-11-25)
+                count, i.e. its "bnpo" is TRL's "dapo" (checked against TRL's GRPOConfig docs)
     "dr_grpo" : sum over all tokens / (B * max_completion_length) (Dr. GRPO: a constant, length-unbiased normaliser)
 
 When the samples come from an older policy than the one the ratio's old_logp belongs to (rollout.mode=

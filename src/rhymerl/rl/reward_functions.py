@@ -2,7 +2,7 @@
 metric names (TRL's reward_funcs / reward_weights), and calling them under a time limit (`reward.timeout_s`).
 
 A call with a time limit runs in a worker process (`RewardWorker`), not in a thread of this one. Chosen over a
-daemon thread (2026-11-25) because:
+daemon thread because:
 
 - a call that never returns can be stopped: the process is killed and a fresh one started, where a thread
   could only be abandoned, spinning on a core (and the GIL) until the run ends;

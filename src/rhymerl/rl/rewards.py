@@ -229,7 +229,7 @@ class RewardScorer:
         answers rather than lengths, as max_completion_length is the rollout's). `finished[i]` False: the
         completion was cut off at the length limit, and earns no format reward (its text, decoded without
         special tokens, cannot say so itself; without this, the default job learned to repeat "####" lines
-        until cut off: notebook 2026-11-26); None: every one finished. Raises ValueError when the lists differ
+        until cut off: docs/notebook); None: every one finished. Raises ValueError when the lists differ
         in length, and RewardTimeoutError when a function is stuck (see the class docstring)."""
         if len(completions) != len(examples) or any(x is not None and len(x) != len(completions)
                                                      for x in (lengths, finished)):

@@ -33,16 +33,16 @@ def run_dtypes(cfg: TrainConfig, device: str, saved: dict | None = None) -> dict
 
 
 # train.prompts_per_step left at 0, by what the update computes in, so that `bash scripts/run.sh` (16 steps) shows
-# the format reward rising within ~10 minutes on a 2-core CPU (notebook 2026-11-26). At 4 prompts x 8 a bf16
+# the format reward rising within ~10 minutes on a 2-core CPU (docs/notebook). At 4 prompts x 8 a bf16
 # step took 15-21 s on Sapphire Rapids (the update ~1.5x longer with AMX masked off, as on Zen 4), an fp32 one
-# 51-69 s on an AVX2-only Zen 3 (notebook 2026-11-22, d740e7d), 32 s of it the update, which halves with the
+# 51-69 s on an AVX2-only Zen 3 (docs/notebook, d740e7d), 32 s of it the update, which halves with the
 # batch.
 DEFAULT_PROMPTS_PER_STEP = {"bf16": 4, "fp32": 2}
 
 # rollout.max_draft_tokens left at 0, by what the rollout computes in. In fp32 on a CPU a verification row costs
 # nearly what a decode row does, and drafts capped at 4 tokens measured ahead of the budget's uncapped trees:
-# bench spec --dtype fp32, T=0.3, 1.17x against 1.09x plain on held-out prompts and on countdown (notebook
-# 2026-11-26, bdd48d4 and 2ebf784); in bf16 with AMX the deep tails gain 2.3x-2.6x (2026-11-25).
+# bench spec --dtype fp32, T=0.3, 1.17x against 1.09x plain on held-out prompts and on countdown (docs/notebook,
+# bdd48d4 and 2ebf784); in bf16 with AMX the deep tails gain 2.3x-2.6x.
 DEFAULT_MAX_DRAFT_TOKENS = {"bf16": 32, "fp32": 4}
 
 

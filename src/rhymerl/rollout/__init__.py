@@ -1,4 +1,4 @@
-"""Rollout: the only thing the RL loop calls to generate (DESIGN 2).
+"""Rollout: the only thing the RL loop calls to generate (docs/design.md, section 5).
 
 A pool of rollout workers behind one interface (`RolloutPool`):
 

@@ -1,6 +1,6 @@
 """The in-process rollout pool: one worker, no services (the default, `rollout.backend=local`).
 
-Faults (2026-11-25): an exception inside the worker's rollout leaves its engine in an unknown state (slots
+Faults: an exception inside the worker's rollout leaves its engine in an unknown state (slots
 held, a half-built step), so the pool rebuilds the worker (`RolloutWorker` on the failed one's model, i.e.
 the current weights, and its cost model; a fresh engine, HistoSpec state and history replica, as a Ray
 worker restarted after a failure) and runs the call's groups again: keyed randomness makes them the same

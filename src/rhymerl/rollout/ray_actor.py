@@ -64,7 +64,7 @@ def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str,
 # thread: a worker's rollouts and weight loads never overlap). Ray then runs every method on a thread of its
 # own, and __init__ on yet another. Each thread that enters an OpenMP region gets a thread pool of its own, and
 # once libgomp manages more threads than there are cores it stops spinning at barriers: a bf16 matmul took
-# 2.3x as long, a rollout 1.5x (2026-11-25, docs/notebook/2026-11-25.md). So all of the worker's compute runs
+# 2.3x as long, a rollout 1.5x (docs/notebook). So all of the worker's compute runs
 # on one thread, `_compute`, and the process keeps one OpenMP pool. `hand_over` computes nothing (it sets a
 # flag the rollout honours between engine steps).
 @ray.remote(concurrency_groups={"handover": 1})

@@ -18,12 +18,12 @@
   randomness makes them the same tokens, so the call returns every response once, as undisturbed. A
   worker that fails more than `max_restarts` times is dropped and its groups go to the others; the call
   fails only when no worker is left.
-- **Split** (`rollout.schedule`, 2026-11-25): `histopipe.plan.plan`, the planner the simulator runs too:
+- **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
   `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (predicted
   lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
   workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole; each worker's list is its admission
   order. Keyed randomness makes the tokens the same under every schedule.
-- **Migration** (`rollout.migration`, 2026-11-25): when a worker has finished its shares while another still
+- **Migration** (`rollout.migration`): when a worker has finished its shares while another still
   runs one (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its
   next step boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their
   prediction) and sends them to the idle one, which re-prefills prompt + generated tokens and decodes on
@@ -50,7 +50,7 @@ from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
-# The actor moved to ray_actor (2026-11-25); WorkerActor and worker_resources stay importable from here.
+# The actor moved to ray_actor; WorkerActor and worker_resources stay importable from here.
 from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
 from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
 from rhymerl.rollout.worker import WorkerConfig
@@ -154,7 +154,7 @@ class RayPool:
             try:
                 self.pids[worker] = ray.get(self.actors[worker].pid.remote())
                 return True
-            except RayActorError as e:  # its constructor raised (2026-11-25: this escaped the pool before)
+            except RayActorError as e:  # its constructor raised (this once escaped the pool)
                 why = f"failed to restart ({_last_line(e)})"
                 ray.kill(self.actors[worker], no_restart=True)
         del self.actors[worker], self.pids[worker]

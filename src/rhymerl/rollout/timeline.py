@@ -1,5 +1,5 @@
 """What a real rollout call did, worker by worker: its timeline, the bubble metrics of it, and the run's
-`RUN_DIR/timeline.jsonl` (2026-11-25).
+`RUN_DIR/timeline.jsonl`.
 
 Each worker reports, per request, when it was admitted to a slot and when it finished (`RequestSpan`,
 `time.time()`), and the pool stamps the whole call's wall interval (`RolloutResult.started` / `finished`).

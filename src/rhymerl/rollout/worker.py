@@ -75,7 +75,7 @@ class RolloutWorker:
                              max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
                              cost_model=cost_model, reward_aware_drafting=config.reward_aware_drafting)
         self.weights_version = 0
-        # Migration (2026-11-25): another thread's `hand_over` leaves a request here; the thread running
+        # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
         self._handover_lock = threading.Lock()
         self._handover: _HandoverRequest | None = None
@@ -147,7 +147,7 @@ class RolloutWorker:
         stats.finished = time.time()
         return outputs, stats
 
-    # ---- migration (2026-11-25) -------------------------------------------------------------------------
+    # ---- migration ----------------------------------------------------------------------------------------
     def hand_over(self, n: int | None = None, timeout: float = 60.0) -> list[Continuation]:
         """Called from another thread while `rollout` runs: at the engine's next step boundary, take up to `n`
         unfinished requests out of it (default: half of them; it always keeps one) and return them as

@@ -2,9 +2,6 @@
 backend with graphs off: the same logits and the same cache as the eager backend, padding that changes
 nothing, and engine outputs equal to the eager engine's with and without HistoSpec."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,10 +12,8 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput, _ancestors
 from rhymerl.engine.sampling_params import SamplingParams
+from helpers import FLAT, history_of, peaky
 from tiny_models import random_prompts, tiny_decoder
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "histospec"))
-from test_histospec import FLAT, history_of, peaky  # noqa: E402
 
 
 def test_buckets_round_up_to_powers_of_two_and_the_limit():

@@ -4,7 +4,7 @@
   reference of the others, and the fallback.
 - `cpu` (`cpu.py`): the fused C++ kernels (`native.py`, `kernels/`), fp32 and bf16 on a CPU.
 - `cuda` (`cuda.py`): the eager forward, or with `RHYMERL_CUDA_GRAPHS=1` steps replayed from CUDA graphs
-  (opt-in until tests/engine/test_cuda.py has passed on a GPU: written 2026-11-27, none lent since).
+  (opt-in until tests/engine/test_cuda.py has passed on a GPU: none lent since it was written).
 
 `select_backend` is the one spot that chooses. A backend offers `forward(step)`, `commit` and `move`
 (`base.Backend`); the engine reaches it through `ModelRunner` (engine/model_runner.py).

@@ -1,0 +1,50 @@
+"""Helpers that tests in several folders share: a cost model under which drafting is free, a random model made
+peaky enough for history drafts to be accepted, a recorded previous epoch, and trainer samples. (A test file
+imports them from here, never from another test file.)"""
+
+from __future__ import annotations
+
+import torch
+
+from rhymerl.cost_model import CostModel
+from rhymerl.engine.engine import Engine
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.history import HistoryStore
+from rhymerl.rl.logprobs import Sample
+from tiny_models import VOCAB, random_prompts
+
+FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
+
+
+def peaky(model, scale=6.0):
+    """A random model is nearly uniform, so its responses never repeat and no draft is ever accepted.
+    Sharpening its output distribution (as training does to a policy) makes history predictive."""
+    with torch.no_grad():
+        model.norm.weight.mul_(scale)
+    return model
+
+
+def history_of(model, prompts, params, n_gen=3):
+    """A previous 'epoch': n_gen responses per prompt with other seeds (plain decoding), recorded as history."""
+    store = HistoryStore()
+    for g in range(n_gen):
+        p = SamplingParams(**{**params.__dict__, "seed": params.seed + 100 + g})
+        plain = Engine(model, num_slots=4, max_model_len=96, eos_token_ids=[], speculative="off", history=None,
+                       cost_model=FLAT, max_draft_tokens=8)
+        for prompt, o in zip(prompts, plain.generate(prompts, p)):
+            store.record_rollout(prompt, [o.token_ids], [1.0])
+    return store
+
+
+def training_samples(seed: int = 0, n: int = 6, group: int = 1) -> list[Sample]:
+    """n trainer samples; with group > 1, consecutive runs of `group` samples share a prompt (GRPO siblings)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [p for p in random_prompts(n // group, seed=seed) for _ in range(group)]
+    out = []
+    for i, p in enumerate(prompts):
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        comp = torch.randint(0, VOCAB, (k,), generator=g).tolist()
+        old = (-torch.rand(k, generator=g) * 3 - 1).tolist()  # off-policy enough that clipping happens
+        adv = 0.0 if i % 3 == 0 else float(torch.randn(1, generator=g))
+        out.append(Sample(p, comp, old, adv))
+    return out
