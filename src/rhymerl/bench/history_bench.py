@@ -1,0 +1,122 @@
+"""`rhymerl bench e2e --compare history`: the paper's own measure, the same GRPO job with history on and off.
+
+Both runs train the same model on the same prompts with the same seed, on the same Ray workers and in the same
+rollout mode (`--mode`); they differ only in whether rollout uses history:
+
+- on: HistoSpec drafts (`rollout.speculative=histospec`), HistoPipe's split by predicted length
+  (`rollout.schedule=histopipe`) and migration in the tail (`rollout.migration=true`);
+- off: plain decoding, verl's equal contiguous split (`static`), no migration.
+
+History changes how fast a rollout runs, never what it samples (docs/design.md, section 6), so in fp32 and sync
+mode the two reward curves are identical and `reward_curve_max_abs_diff` is 0. `history_speedup` is the off
+run's median seconds per step over the on run's, after the first `--skip-steps` steps (the first epoch has no
+history, and the first steps hold the workers' start-up). No TRL run here: `bench e2e` without `--compare` is
+the comparison with TRL.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rhymerl.bench.console import table_console
+from rhymerl.bench.progress import Progress
+from rhymerl.config import load_config
+from rhymerl.errors import UserError
+from rhymerl.metrics import read_metrics
+from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.rl.loop import TrainingRun
+
+SIDES = {
+    "on": ["rollout.speculative=histospec", "rollout.schedule=histopipe", "rollout.migration=true"],
+    "off": ["rollout.speculative=off", "rollout.schedule=static", "rollout.migration=false"],
+}
+# Per step, from the run's metrics.jsonl: what the table and the JSON line show.
+STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_s": "timing_s/update",
+                "reward": "critic/rewards/mean", "response_length": "response_length/mean",
+                "bubble_ratio": "rollout/bubble_ratio"}
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    """Each step's figures (STEP_FIGURES) from a finished run; a checkpoint's write is not counted in its step."""
+    rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
+    out = []
+    for r in rows:
+        step = {name: r.get(key) for name, key in STEP_FIGURES.items()}
+        step["step_s"] = r["timing_s/step"] - r.get("timing_s/save", 0.0)
+        out.append(step)
+    return out
+
+
+def run_side(overrides: list[str], out_dir: Path) -> list[dict]:
+    """One run of the job (the config `overrides`), its per-step figures."""
+    run = TrainingRun(load_config(None, overrides + [f"run.output_dir={out_dir}"]))
+    return _steps(run.run())
+
+
+def _median_after(steps: list[dict], key: str, skip: int) -> float:
+    return round(statistics.median(s[key] for s in steps[skip:]), 3)
+
+
+def run(model: str = "smollm2-135m", dtype: str = "fp32", data: str = "arithmetic", num_prompts: int = 8,
+        prompts_per_step: int = 4, num_generations: int = 8, max_completion_length: int = 256, num_slots: int = 8,
+        num_workers: int = 2, epochs: int = 3, mode: str = "sync", temperature: float = 1.0, learning_rate: float = 1e-5,
+        skip_steps: int = 2, seed: int = 0, overrides: list[str] = ()) -> dict:
+    """Both runs, history on then off; the summary whose JSON is the bench's last line."""
+    if num_prompts % prompts_per_step:
+        raise UserError(f"bench e2e --compare history: --num-prompts ({num_prompts}) must be a multiple of "
+                        f"--prompts-per-step ({prompts_per_step}): every epoch is whole steps")
+    steps = epochs * (num_prompts // prompts_per_step)
+    if steps <= skip_steps:
+        raise UserError(f"bench e2e --compare history: {steps} steps leave none after --skip-steps {skip_steps}: "
+                        f"raise --epochs or --num-prompts")
+    common = [f"data.task={data}", f"data.num_train_prompts={num_prompts}", "val.every=0",
+              f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
+              f"rollout.max_completion_length={max_completion_length}", f"rollout.num_slots={num_slots}",
+              f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
+              f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"rollout.mode={mode}",
+              "rollout.backend=ray", f"rollout.num_workers={num_workers}", f"run.seed={seed}", "run.save_every=0",
+              "run.progress=false", "run.tensorboard=false", *overrides]
+    load_config(None, common)  # a bad key or value fails here, before the model or Ray starts
+    progress = Progress("e2e-history", 2 * steps)
+    common.insert(0, f"model.name={resolve_model_dir(model)}")
+    results = {}
+    # The runs' directories hold their final checkpoints and no figure reported here: removed at the end.
+    with tempfile.TemporaryDirectory(prefix="rhymerl-e2e-history-") as tmp:
+        for side in ("on", "off"):
+            progress.stage(f"history {side}: {steps} steps on {num_workers} Ray workers, {mode}", units=steps)
+            results[side] = run_side(common + SIDES[side], Path(tmp) / side)
+    progress.done()
+    on, off = results["on"], results["off"]
+    diff = max(abs(a["reward"] - b["reward"]) for a, b in zip(on, off))
+    on_s, off_s = _median_after(on, "step_s", skip_steps), _median_after(off, "step_s", skip_steps)
+    return {"model": model, "dtype": dtype, "data": data, "mode": mode, "num_workers": num_workers,
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+            "num_prompts": num_prompts, "prompts_per_step": prompts_per_step, "num_generations": num_generations,
+            "max_completion_length": max_completion_length, "num_slots": num_slots, "steps": steps,
+            "skip_steps": skip_steps, "sides": {name: SIDES[name] for name in SIDES},
+            "on_s_per_step": on_s, "off_s_per_step": off_s, "history_speedup": round(off_s / on_s, 3),
+            "on_rollout_s": _median_after(on, "rollout_s", skip_steps),
+            "off_rollout_s": _median_after(off, "rollout_s", skip_steps),
+            "reward_curve_max_abs_diff": round(diff, 6), "runs": results}
+
+
+def print_table(summary: dict, console: Console | None = None) -> None:
+    console = console or table_console()
+    t = Table(title=f"history on vs off: {summary['model']} {summary['dtype']}, {summary['data']}, "
+                    f"{summary['num_workers']} Ray workers, {summary['mode']}, {summary['steps']} steps "
+                    f"(medians after the first {summary['skip_steps']})")
+    for c in ("run", "s/step", "rollout s/step", "per step (s)", "final reward"):
+        t.add_column(c, justify="right")
+    for side in ("on", "off"):
+        steps = summary["runs"][side]
+        t.add_row(f"history {side}", str(summary[f"{side}_s_per_step"]), str(summary[f"{side}_rollout_s"]),
+                  " ".join(f"{s['step_s']:.1f}" for s in steps), f"{steps[-1]['reward']:.3f}")
+    console.print(t)
+    console.print(f"history_speedup (off / on) = {summary['history_speedup']}x; reward curves max |diff| = "
+                  f"{summary['reward_curve_max_abs_diff']}")

@@ -1,0 +1,46 @@
+"""`rhymerl bench e2e --compare history` end to end on a tiny random model (the real SmolLM2 tokenizer) and a real
+local Ray cluster with 2 workers: history on (HistoSpec, histopipe split, migration) and off (plain, static) train
+the same run in fp32 sync mode, so every step's rewards and response lengths are equal; a table, progress on
+stderr, then one JSON line with `history_speedup`."""
+
+import json
+import tempfile
+
+import pytest
+
+from rhymerl.cli import main
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import tiny_smol_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    return tiny_smol_checkpoint(tmp_path_factory.mktemp("tiny-smol"), smollm2_dir, embed_std=0.8)
+
+
+def test_history_on_and_off_train_the_same_run(cluster, tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = main(["bench", "e2e", "--compare", "history", "--model", str(tiny_dir), "--dtype", "fp32",
+               "--num-prompts", "4", "--prompts-per-step", "2", "--num-generations", "4",
+               "--max-completion-length", "12", "--slots", "2", "--epochs", "2", "--learning-rate", "0.01",
+               "--skip-steps", "2"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "history on vs off" in out and "[bench e2e-history] done in" in err
+    assert summary["steps"] == 4 and summary["num_workers"] == 2 and summary["mode"] == "sync"
+    on, off = summary["runs"]["on"], summary["runs"]["off"]
+    assert len(on) == len(off) == 4
+    assert [s["response_length"] for s in on] == [s["response_length"] for s in off]
+    assert [s["reward"] for s in on] == [s["reward"] for s in off]
+    assert summary["reward_curve_max_abs_diff"] == 0
+    assert summary["history_speedup"] == pytest.approx(summary["off_s_per_step"] / summary["on_s_per_step"], rel=1e-2)
+    assert not list(tmp_path.iterdir())  # the runs' directories are removed
+
+
+def test_bad_options_fail_before_anything_loads(capsys):
+    assert main(["bench", "e2e", "--compare", "history", "--num-prompts", "5", "--prompts-per-step", "2"]) == 2
+    assert "--num-prompts (5)" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--compare", "history", "--epochs", "1", "--num-prompts", "4",
+                 "--prompts-per-step", "2", "--skip-steps", "2"]) == 2
+    assert "--skip-steps" in capsys.readouterr().err
