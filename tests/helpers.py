@@ -9,6 +9,7 @@ import torch
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.rl.logprobs import Sample
 from tiny_models import VOCAB, random_prompts
@@ -24,13 +25,20 @@ def peaky(model, scale=6.0):
     return model
 
 
+def speculator(spec="histospec", history=None, cost=FLAT, max_draft_tokens=8, rule="cost", reward_aware=False):
+    """What an engine takes for speculation mode `spec`: a HistoSpec `Speculator` drafting from `history`, or
+    None for "off" (plain decoding). `cost` None: the engine measures one."""
+    if spec == "off":
+        return None
+    return Speculator(cost, history, rule, max_draft_tokens, reward_weighted=reward_aware)
+
+
 def history_of(model, prompts, params, n_gen=3):
     """A previous 'epoch': n_gen responses per prompt with other seeds (plain decoding), recorded as history."""
     store = HistoryStore()
     for g in range(n_gen):
         p = SamplingParams(**{**params.__dict__, "seed": params.seed + 100 + g})
-        plain = Engine(model, num_slots=4, max_model_len=96, eos_token_ids=[], speculative="off", history=None,
-                       cost_model=FLAT, max_draft_tokens=8)
+        plain = Engine(model, num_slots=4, max_model_len=96, eos_token_ids=[])
         for prompt, o in zip(prompts, plain.generate(prompts, p)):
             store.record_rollout(prompt, [o.token_ids], [1.0])
     return store

@@ -19,7 +19,7 @@ from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
 from rhymerl.rl.trainer import PolicyTrainer
 
-from helpers import FLAT, history_of, peaky, training_samples
+from helpers import history_of, peaky, speculator, training_samples
 from test_engine import reference_generate  # this folder's: the dense reference of the engine's tests
 from tiny_models import random_prompts, tiny_decoder
 
@@ -33,8 +33,8 @@ def cuda_graphs(monkeypatch):
 
 
 def cuda_engine(model, spec="off", history=None, slots=4):
-    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], speculative=spec,
-                  history=history, cost_model=FLAT, max_draft_tokens=8)
+    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], 
+                  speculator=speculator(spec, history))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=16),
@@ -143,7 +143,7 @@ def test_measured_cost_model_on_cuda_is_positive_and_grows_with_tokens():
     """The start-up cost model times real forwards; on a GPU the clock must wait for them (the runner
     synchronises), so the times are those of the work, not of its launch."""
     model = tiny_decoder("llama").to("cuda")
-    cost = Engine(model, num_slots=8, max_model_len=512, speculative="histospec").cost_model
+    cost = Engine(model, num_slots=8, max_model_len=512, speculator=speculator(cost=None, max_draft_tokens=32)).cost_model
     smallest, largest = cost.times[0][0], cost.times[-1][-1]
     assert 0 < smallest <= largest
 

@@ -9,6 +9,7 @@ from rhymerl.engine.backends import native
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampler import BLOCK, filtered_probs, keyed_uniforms, sample, sample_columns
 from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
+from rhymerl.histospec.speculator import Speculator
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 
@@ -110,7 +111,8 @@ def test_an_engine_on_an_earlier_engines_runner_gives_the_same_outputs(model):
     assert reused.cache is first.cache
     assert [o.token_ids for o in reused.generate(prompts, params)] == [o.token_ids for o in fresh]
     with pytest.raises(ValueError, match="room for 8 draft tokens"):
-        Engine(model, num_slots=3, max_model_len=64, speculative="histospec", max_draft_tokens=8, runner=first.runner)
+        Engine(model, num_slots=3, max_model_len=64, speculator=Speculator(None, max_draft_tokens=8),
+               runner=first.runner)
     with pytest.raises(ValueError, match="4 slots"):
         Engine(model, num_slots=4, max_model_len=64, runner=first.runner)
 

@@ -9,14 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation
 from rhymerl.history import HistoryStore
+from helpers import speculator
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PROMPTS = random_prompts(4, seed=71)
 BATCH = [p for p in PROMPTS for _ in range(2)]  # 2 siblings per prompt
 IDS = [f"p{i}-g{g}" for i in range(4) for g in range(2)]
@@ -33,8 +32,8 @@ def peaky():
 
 
 def engine(spec: str, eos, history=None) -> Engine:
-    return Engine(peaky(), num_slots=4, max_model_len=96, eos_token_ids=eos, speculative=spec, history=history,
-                  cost_model=FLAT, max_draft_tokens=8)
+    return Engine(peaky(), num_slots=4, max_model_len=96, eos_token_ids=eos, 
+                  speculator=speculator(spec, history))
 
 
 @functools.lru_cache(maxsize=None)

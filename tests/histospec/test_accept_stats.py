@@ -4,13 +4,12 @@ string are dropped from the response, and must not count as accepted."""
 import pytest
 import torch
 
-from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.history import HistoryStore
+from helpers import speculator
 from tiny_models import random_prompts, tiny_decoder
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PROMPTS = random_prompts(4, seed=11)
 PARAMS = SamplingParams(temperature=1.0, max_tokens=24, seed=3)
 
@@ -47,8 +46,8 @@ def run(model, history, eos, tokenizer, params, drafter_sees_eos=True):
     """Plain and HistoSpec outputs, the engine's SpecStats, and how many accepted draft tokens the output
     dropped (seen from the verified paths handed to the speculator)."""
     def make(spec):
-        return Engine(model, tokenizer, num_slots=4, max_model_len=64, eos_token_ids=eos, speculative=spec,
-                      history=history if spec == "histospec" else None, cost_model=FLAT, max_draft_tokens=8)
+        return Engine(model, tokenizer, num_slots=4, max_model_len=64, eos_token_ids=eos, 
+                      speculator=speculator(spec, history))
 
     plain = make("off").generate(PROMPTS, params)
     eng = make("histospec")

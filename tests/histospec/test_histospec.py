@@ -13,7 +13,8 @@ from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS, Speculator
 from rhymerl.histospec.verify import verify
 from rhymerl.history import HistoryStore
-from helpers import FLAT, history_of, peaky
+from rhymerl.rollout.worker import WorkerConfig
+from helpers import FLAT, history_of, peaky, speculator
 from suffix_index_check import check_suffix_index
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
@@ -26,8 +27,8 @@ def model():
 
 
 def engine(model, spec, history=None, cost=FLAT, slots=4, **kw):
-    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], speculative=spec,
-                  history=history, cost_model=cost, max_draft_tokens=8, **kw)
+    return Engine(model, num_slots=slots, max_model_len=96, eos_token_ids=[], 
+                  speculator=speculator(spec, history, cost), **kw)
 
 
 def run_verify(draft, node_tokens):
@@ -221,7 +222,7 @@ def test_budget_turns_speculation_off_when_it_does_not_pay(model):
 
 
 def test_measured_cost_model_and_bad_mode(model):
-    eng = Engine(model, num_slots=4, max_model_len=96, speculative="histospec", max_draft_tokens=8)
+    eng = Engine(model, num_slots=4, max_model_len=96, speculator=speculator(cost=None))
     cost = eng.speculator.cost
     assert 0 < cost(1, 1) <= cost(9, 1) and cost(4, 4) <= cost(12, 4)  # non-decreasing in tokens
     grid = CostModel([1, 4], [1, 2], [[1.0, 0.5], [2.0, 3.0]])  # noise made a bigger step look cheaper
@@ -231,12 +232,11 @@ def test_measured_cost_model_and_bad_mode(model):
     # A measured model is corrected online wherever it goes (a second engine reusing it, as `bench spec`
     # does); one written by hand is taken as is.
     assert eng.speculator.correct_cost and cost.measured
-    reused = Engine(model, num_slots=4, max_model_len=96, speculative="histospec", max_draft_tokens=8,
-                    cost_model=cost)
+    reused = Engine(model, num_slots=4, max_model_len=96, speculator=speculator(cost=cost))
     assert reused.speculator.cost is cost and reused.speculator.correct_cost
     assert not engine(model, "histospec").speculator.correct_cost
-    with pytest.raises(ValueError, match="speculative"):
-        Engine(model, speculative="medusa")
+    with pytest.raises(ValueError, match="speculative"):  # the worker builds the engine's speculator by mode
+        WorkerConfig(speculative="medusa")
 
 
 def test_cost_ceiling_is_the_perfect_drafters_speedup():
@@ -408,8 +408,8 @@ def test_drafts_reach_the_end_of_the_context_and_never_past_it(model):
     params = SamplingParams(temperature=0, max_tokens=24)
     history = history_of(model, prompts, params, n_gen=1)
     max_len = max(map(len, prompts)) + 24  # the longer prompt ends its context with its 24th token
-    eng = Engine(model, num_slots=2, max_model_len=max_len, eos_token_ids=[], speculative="histospec",
-                 history=history, cost_model=FLAT, max_draft_tokens=8)
+    eng = Engine(model, num_slots=2, max_model_len=max_len, eos_token_ids=[], 
+                 speculator=speculator("histospec", history))
     rooms, depths = [], []
     propose = eng.speculator.plan
 

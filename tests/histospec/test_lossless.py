@@ -19,17 +19,16 @@ import importlib
 import pytest
 import torch
 
-from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histospec.drafter import Draft
 from rhymerl.history import HistoryStore
+from helpers import speculator
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 engine_mod = importlib.import_module("rhymerl.engine.engine")
 verify_mod = importlib.import_module("rhymerl.histospec.verify")  # the package re-exports a function `verify`
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 
 
 def sharpened(scale: float, dtype=torch.float32):
@@ -105,8 +104,8 @@ def sample_verified(model, mutant, monkeypatch, n: int):
     # Every token but t0 and c2 is an EOS token, so that a request stops as soon as it can no longer reach a
     # position this test counts (EOS only cuts a response: the draws at the counted positions are unchanged).
     eos = set(range(VOCAB)) - {t0, c2}
-    eng = Engine(model, num_slots=64, max_model_len=32, eos_token_ids=eos, speculative="histospec",
-                 history=HistoryStore(), cost_model=FLAT, max_draft_tokens=4)
+    eng = Engine(model, num_slots=64, max_model_len=32, eos_token_ids=eos, 
+                 speculator=speculator("histospec", HistoryStore(), max_draft_tokens=4))
 
     def fixed(seqs, rooms, *a, **kw):
         for s in seqs:  # the speculator's state of a sequence (a group of its own: no sibling index to grow)
@@ -206,8 +205,8 @@ def model_of(scale: float):
 
 
 def make_engine(model, spec, eos, tokenizer, history=None):
-    return Engine(model, tokenizer, num_slots=4, max_model_len=96, eos_token_ids=eos, speculative=spec,
-                  history=history, cost_model=FLAT, max_draft_tokens=8)
+    return Engine(model, tokenizer, num_slots=4, max_model_len=96, eos_token_ids=eos, 
+                  speculator=speculator(spec, history))
 
 
 @functools.lru_cache(maxsize=None)

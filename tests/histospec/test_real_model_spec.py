@@ -4,14 +4,13 @@ speculative decoding token-identical to plain decoding, with drafts accepted."""
 import torch
 from transformers import AutoTokenizer
 
-from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.history import HistoryStore
 from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
+from helpers import speculator
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 QUESTIONS = ("What is 3 + 4?", "Name a color.", "Count from 1 to 10.")
 
 
@@ -23,8 +22,8 @@ def test_histospec_on_smollm2_is_token_identical_to_plain(smollm2_dir):
     prompts = [chat_prompt_ids(tok, q) for q in QUESTIONS]
 
     def engine(spec, history=None):
-        return Engine(model, tok, num_slots=6, max_model_len=256, speculative=spec, history=history,
-                      cost_model=FLAT, max_draft_tokens=8)
+        return Engine(model, tok, num_slots=6, max_model_len=256, 
+                      speculator=speculator(spec, history))
 
     params = SamplingParams(temperature=0.7, max_tokens=24, seed=3)
     history = HistoryStore()  # a first epoch: plain decoding, other seeds

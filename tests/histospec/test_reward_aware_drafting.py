@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from rhymerl.config import load_config
-from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.history import HistoryStore
 from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
+import helpers
+from helpers import FLAT
 from tiny_models import random_prompts, tiny_decoder
 
-FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PROMPT = list(range(1, 11))
 SHARED = [40, 41, 42, 43]
 # After SHARED, three earlier responses went on with 50 (reward 0) and two with 60 (reward 1).
@@ -23,8 +23,8 @@ REWARDS = [0.0] * 3 + [1.0] * 2
 def speculator(model, reward_aware: bool):
     history = HistoryStore()
     history.record_rollout(PROMPT, RESPONSES, REWARDS)
-    eng = Engine(model, num_slots=2, max_model_len=64, eos_token_ids=[], speculative="histospec",
-                 history=history, cost_model=FLAT, max_draft_tokens=8, reward_aware_drafting=reward_aware)
+    eng = Engine(model, num_slots=2, max_model_len=64, eos_token_ids=[], 
+                 speculator=helpers.speculator("histospec", history, reward_aware=reward_aware))
     return eng.speculator
 
 
@@ -78,8 +78,8 @@ def test_reward_aware_drafts_keep_the_tokens():
             history.record_rollout(prompt, [o.token_ids], [float(g % 2)])
     params = SamplingParams(temperature=1.0, max_tokens=20, seed=5)
     plain = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[]).generate(prompts, params)
-    eng = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], speculative="histospec", history=history,
-                 cost_model=FLAT, max_draft_tokens=8, reward_aware_drafting=True)
+    eng = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], 
+                 speculator=helpers.speculator("histospec", history, reward_aware=True))
     spec = eng.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert eng.speculator.stats.accepted > 0

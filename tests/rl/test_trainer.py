@@ -316,20 +316,31 @@ def test_trainer_old_logprobs_make_the_update_independent_of_rollout_rounding():
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
 
 
-def test_config_choices_equal_what_the_implementations_accept():
-    """config.py keeps torch-free copies of these lists; they must not drift from the modules that use them."""
+def test_config_choices_are_written_once_and_the_implementations_accept_each():
+    """Each list of choices has one owner (the torch-free module implementing the option, or the config for
+    the options torch modules implement), and what implements an option accepts every choice."""
     from rhymerl import config
-    from rhymerl.engine import engine
-    from rhymerl.histospec import budget
+    from rhymerl.histopipe import plan
+    from rhymerl.histospec import budget, speculator
     from rhymerl.model import pretrained
     from rhymerl.rl import advantages, losses
-    from rhymerl.rollout import worker
+    from rhymerl.rollout import ray_pool, worker
 
-    assert set(config.SPECULATIVE_MODES) == set(engine.SPECULATIVE_MODES)
-    assert set(config.ADMISSION_ORDERS) == set(worker.ADMISSION_ORDERS)
-    assert set(config.DRAFT_RULES) == set(budget.LENGTH_RULES)
-    assert set(config.LOSS_TYPES) == set(losses.LOSS_TYPES)
-    assert set(config.SCALE_REWARDS) == set(advantages.SCALE_REWARDS)
+    assert config.DRAFT_RULES is budget.DRAFT_RULES and config.SPECULATIVE_MODES is speculator.SPECULATIVE_MODES
+    assert config.ADMISSION_ORDERS is plan.ADMISSION_ORDERS is worker.ADMISSION_ORDERS
+    assert config.sections.ROLLOUT_SCHEDULES is plan.SCHEDULES is ray_pool.SCHEDULES
+    assert config.LOSS_TYPES is losses.LOSS_TYPES and config.SCALE_REWARDS is advantages.SCALE_REWARDS
+    for rule in config.DRAFT_RULES:
+        budget.length_rule(rule, 8)  # raises for a rule HistoSpec does not know
+    for mode in config.SPECULATIVE_MODES:
+        worker.WorkerConfig(speculative=mode)  # raises for a mode the worker does not know
+    for order in config.ADMISSION_ORDERS:
+        worker.WorkerConfig(admission=order)
+    for scale in config.SCALE_REWARDS:
+        advantages.grpo_advantages(torch.tensor([1.0, 0.0]), 2, scale)
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    for loss_type in config.LOSS_TYPES:
+        losses.policy_loss(x, x, torch.ones(1), mask, loss_type=loss_type, max_completion_length=2)
     for name in config.DTYPES:
         pretrained.parse_dtype(name, "cpu")  # raises for a dtype the loader does not know
     for kind in config.LR_SCHEDULERS:

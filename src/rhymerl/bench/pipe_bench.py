@@ -55,14 +55,16 @@ def load_cost_model(source: str | Path) -> CostModel:
 
 def measure_cost_model(model_name: str, dtype: str = "auto", device: str | None = None, slots: int = 32,
                        max_draft_tokens: int = 32, max_model_len: int = 512) -> CostModel:
-    """The cost model an engine on `model_name` measures at start-up (`speculative="histospec"`)."""
+    """The cost model an engine on `model_name` measures at start-up (with a HistoSpec `Speculator` built
+    without one)."""
     from rhymerl.engine.engine import Engine
+    from rhymerl.histospec.speculator import Speculator
     from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
 
     device = device or default_device()
     model, tokenizer, _ = load_pretrained(model_name, resolve_dtype(dtype, device), device)
-    engine = Engine(model, tokenizer, num_slots=slots, max_model_len=max_model_len, speculative="histospec",
-                    max_draft_tokens=max_draft_tokens)
+    engine = Engine(model, tokenizer, num_slots=slots, max_model_len=max_model_len,
+                    speculator=Speculator(None, max_draft_tokens=max_draft_tokens))
     return engine.cost_model
 
 

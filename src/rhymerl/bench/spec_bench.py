@@ -37,6 +37,7 @@ from rhymerl.data.dataset import BUILTIN_TASKS
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
+from rhymerl.histospec.speculator import Speculator
 from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.rl.run_settings import DEFAULT_MAX_DRAFT_TOKENS
@@ -153,9 +154,10 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
 
     def make(m, spec, history=None, n_slots=slots, length=max_len, aware=False):
         key = (id(m), n_slots, length)
-        engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculative=spec,
-                        history=history, draft_rule=draft_rule, max_draft_tokens=max_draft_tokens,
-                        cost_model=costs.get(key), reward_aware_drafting=aware, runner=runners.get(key))
+        speculator = None if spec == "off" else Speculator(costs.get(key), history, draft_rule, max_draft_tokens,
+                                                           reward_weighted=aware)
+        engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculator=speculator,
+                        runner=runners.get(key))
         if spec == "histospec":
             costs.setdefault(key, engine.cost_model)
             runners.setdefault(key, engine.runner)
@@ -211,17 +213,18 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
                     engine = make(model, "off" if mode == "off" else "histospec", history,
                                   aware=mode == "reward_aware")
                     outs, seconds = rollout(engine, prompts, num_generations, params)
-                    tok_s[mode] = engine.stats.generated_tokens / seconds
+                    stats = engine.take_stats()  # (EngineStats, SpecStats or None)
+                    tok_s[mode] = stats[0].generated_tokens / seconds
                     if mode not in best or seconds < best[mode][1]:
-                        best[mode] = (outs, seconds, engine)
+                        best[mode] = (outs, seconds, stats)
                 pairs.append(tok_s)
             runs.append(best)
         plain_all = [o for r in runs for o in r["off"][0]]  # every epoch's outputs, for the identity rate
         spec_all = [o for r in runs for o in r["histospec"][0]]
         plain_s, spec_s = sum(r["off"][1] for r in runs), sum(r["histospec"][1] for r in runs)
-        ps = [r["off"][2].stats for r in runs]
-        ss = [r["histospec"][2].stats for r in runs]
-        sp = [r["histospec"][2].speculator.stats for r in runs]
+        ps = [r["off"][2][0] for r in runs]
+        ss = [r["histospec"][2][0] for r in runs]
+        sp = [r["histospec"][2][1] for r in runs]
         tokens_plain, tokens_spec = sum(x.generated_tokens for x in ps), sum(x.generated_tokens for x in ss)
         drafted, accepted = sum(x.drafted for x in sp), sum(x.accepted for x in sp)
         verify_steps = sum(x.verify_steps for x in sp)
@@ -250,16 +253,16 @@ def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), n
             f"identity_rate_{dtype}": round(identity(plain_all, spec_all), 3),  # of the timed runs
         }
         if reward_aware:
-            ra = [r["reward_aware"][2] for r in runs]
-            ra_drafted, ra_accepted = sum(r.speculator.stats.drafted for r in ra), sum(r.speculator.stats.accepted for r in ra)
-            ra_tokens, ra_s = sum(r.stats.generated_tokens for r in ra), sum(r["reward_aware"][1] for r in runs)
+            ra, ra_sp = [r["reward_aware"][2][0] for r in runs], [r["reward_aware"][2][1] for r in runs]
+            ra_drafted, ra_accepted = sum(x.drafted for x in ra_sp), sum(x.accepted for x in ra_sp)
+            ra_tokens, ra_s = sum(x.generated_tokens for x in ra), sum(r["reward_aware"][1] for r in runs)
             row["reward_aware"] = {
                 "tok_s": round(ra_tokens / ra_s, 1), "speedup": _speedup(ra_tokens, ra_s, tokens_plain, plain_s),
                 "vs_histospec_paired": _paired(pairs, "reward_aware", "histospec"),
                 "runs_tok_s": [round(r["reward_aware"], 1) for r in pairs],
                 "accept_rate": round(ra_accepted / max(ra_drafted, 1), 3), "drafted": ra_drafted,
                 "accepted": ra_accepted,
-                "tokens_per_forward": round(ra_tokens / max(sum(r.stats.seq_steps for r in ra), 1), 3),
+                "tokens_per_forward": round(ra_tokens / max(sum(x.seq_steps for x in ra), 1), 3),
                 "identity_vs_plain": round(identity(plain_all, [o for r in runs for o in r["reward_aware"][0]]), 3)}
         if epoch_seeds > 1:
             row["speedup_by_seed"] = [_speedup(spec_st.generated_tokens, r["histospec"][1], plain_st.generated_tokens, r["off"][1])

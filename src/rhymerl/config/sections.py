@@ -14,7 +14,11 @@ from dataclasses import dataclass, field, fields
 
 from rhymerl.config.fields import ConfigError, field_errors, must_be
 from rhymerl.config.fields import option as _opt
-from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module
+from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module and the three below
+from rhymerl.histopipe.plan import ADMISSION_ORDERS
+from rhymerl.histopipe.plan import SCHEDULES as ROLLOUT_SCHEDULES
+from rhymerl.histospec.budget import DRAFT_RULES
+from rhymerl.histospec.speculator import SPECULATIVE_MODES
 
 __all__ = [
     "ADMISSION_ORDERS", "BUILTIN_TASKS", "DRAFT_RULES", "DTYPES", "LOSS_TYPES", "LR_SCHEDULERS",
@@ -23,18 +27,14 @@ __all__ = [
     "TrainSection", "ValSection", "validate",
 ]
 
-# Allowed values of the enum-like string fields (the sections check them). This module stays torch-free (so
-# `rhymerl train --help` is instant), hence copies of the torch modules' lists; tests/rl/test_trainer.py checks
-# that each copy equals what the implementing module accepts.
-SPECULATIVE_MODES = ("histospec", "off")
+# Allowed values of the enum-like string fields (the sections check them), each list written once: the
+# torch-free modules that implement an option own its list and this module imports it (above); the lists of
+# options implemented by torch modules are owned here, and those modules import them from here.
 DTYPES = ("auto", "bf16", "fp32")
-DRAFT_RULES = ("aimd", "doubling", "cost")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")  # rhymerl.rl.losses.policy_loss
+SCALE_REWARDS = ("group", "batch", "none")  # rhymerl.rl.advantages.grpo_advantages
 ROLLOUT_BACKENDS = ("local", "ray")  # rhymerl.rollout.factory.make_pool builds each
-ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")  # rhymerl.rollout.worker.ADMISSION_ORDERS
-ROLLOUT_SCHEDULES = ("static", "least_loaded", "histopipe")  # rhymerl.rollout.ray_pool.SCHEDULES
 ROLLOUT_MODES = ("sync", "one_step_off")  # rhymerl.rl.loop.TrainingRun runs each
 
 

@@ -7,125 +7,116 @@ every running slot's new tokens and drafts; walk each draft with the policy's ke
 accepted tokens and the bonus token, keep the accepted path's keys/values, retire the sequences that hit
 EOS, a stop string or their length limit (`rhymerl.engine.stop_rule`; their slots are refilled next step,
 or the survivors are compacted when nothing waits), and hand HistoSpec what was verified. Between two steps
-a request can be handed to another engine (`extract` / `adopt`: `rhymerl.engine.migration`).
+a request can be handed to another engine (`extract` / `adopt`; the continuation's checks and the re-prefill's
+accounting: `rhymerl.engine.migration`).
+
+The engine is the only door to its parts: a caller takes its counters (`take_stats`), HistoSpec's learned
+state (`state_dict` / `load_state_dict`) and the cost model (`cost_model`) from it, never from the scheduler,
+the runner or the speculator.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from tqdm import tqdm
 
-from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
 from rhymerl.engine import migration
 from rhymerl.engine.device_verification import verify_on_device
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
-from rhymerl.engine.sampler import sample
-from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix
+from rhymerl.engine.sampler import sample_rows
+from rhymerl.engine.sampling_params import SamplingParams, draw_prefix
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
-from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence
+from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence, Status, StepEvent
 from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.stop_rule import answer_text, finish_reason
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import Speculator
+from rhymerl.histospec.stats import SpecStats
 from rhymerl.histospec.verify import Verified, verify
-from rhymerl.history import HistoryStore, prompt_key
+from rhymerl.history import prompt_key
 from rhymerl.model.decoder import Decoder
 
-SPECULATIVE_MODES = ("off", "histospec")
 # Shorter shared prefixes (a BOS, a role tag) are recomputed rather than copied in every layer.
 MIN_SHARED_PREFIX = 8
-
-
-@dataclass
-class StepEvent:
-    """One request's progress in one step (for streaming)."""
-
-    request_id: int | str
-    new_token_ids: list[int]
-    output: RequestOutput | None  # set when the request finished in this step
 
 
 class Engine:
     """Continuous-batching rollout engine.
 
-    speculative: "off" (one token per slot per step) or "histospec" (docs/histospec.md: drafts from `history`,
-    the request's siblings and itself, verified losslessly). `cost_model` overrides the forward-time
-    model that HistoSpec otherwise measures at start-up (pass `other.cost_model` to reuse what an engine
-    on the same model and slot count measured); `draft_rule` is "cost" (every
-    sequence offers a full tree; the step budget alone decides), "aimd" or "doubling" (docs/benchmarks.md
-    compares them). `reward_aware_drafting`: history branches that higher-reward responses took come first
-    (`rollout.reward_aware_drafting`; the same tokens, other drafts). `runner`: an earlier engine's
-    (`other.runner`: its KV cache and, on a GPU, its captured CUDA graphs) for this one to run on, when both
-    have the same model, slots and context and its cache has room for this engine's drafts: a benchmark's
-    engines then capture each step shape once, as a training run's long-lived engine does.
+    `speculator`: HistoSpec (docs/histospec.md: drafts from the history, the request's siblings and itself,
+    verified losslessly), built by the caller; None = plain decoding, one token per slot per step. The engine
+    tells it its EOS ids and, when it was built without a cost model, measures one (`measure_cost_model`;
+    to reuse what an engine on the same model and slot count measured, build it with `other.cost_model`).
+    `runner`: an earlier engine's (`other.runner`: its KV cache and, on a GPU, its captured CUDA graphs) for
+    this one to run on, when both have the same model, slots and context and its cache has room for this
+    engine's drafts: a benchmark's engines then capture each step shape once, as a training run's
+    long-lived engine does.
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
-                 speculative: str = "off", history: HistoryStore | None = None, max_draft_tokens: int = 32,
-                 draft_rule: str = "cost", cost_model: CostModel | None = None, reward_aware_drafting: bool = False,
-                 runner: ModelRunner | None = None):
-        if speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {speculative!r}")
+                 speculator: Speculator | None = None, runner: ModelRunner | None = None):
         cfg = model.cfg
         param = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
-        self.max_draft_tokens = max_draft_tokens if speculative != "off" else 0
+        self.max_draft_tokens = speculator.max_draft_tokens if speculator is not None else 0
         scratch = self.max_draft_tokens  # the cache holds one step's draft past the context
         if runner is None:
             self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
                                  param.dtype, param.device, scratch)
             runner = ModelRunner(model, self.cache)
         else:
-            c = runner.cache
-            if runner.model is not model or c.kv.shape[1] != num_slots or c.max_len != max_model_len \
-                    or c.capacity < max_model_len + scratch:
-                raise ValueError(f"runner= needs this engine's model, {num_slots} slots, max_model_len "
-                                 f"{max_model_len} and room for {scratch} draft tokens; its cache has "
-                                 f"{c.kv.shape[1]} slots of {c.max_len} (+{c.capacity - c.max_len})")
-            self.cache = c
+            runner.check_fits(model, num_slots, max_model_len, scratch)
+            self.cache = runner.cache
         self.runner = runner
         self.scheduler = Scheduler(num_slots, max_prefill_tokens)
         eos = set(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if eos_token_ids is None and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.stats = EngineStats()
+        self.stats = EngineStats()  # read it; `take_stats` starts new counters
         self._next_id = 0
-        self.speculator = None
-        if speculative == "histospec":
-            cost = cost_model or self.measure_cost_model(max_draft_tokens)
-            self.cost_model = cost
-            # A measured cost model (this engine's, or one another engine measured on the same model and
-            # slots) is corrected online; one written by hand is taken as is.
-            self.speculator = Speculator(cost, history, draft_rule, max_draft_tokens, self.eos_token_ids,
-                                         correct_cost=cost.measured, reward_weighted=reward_aware_drafting)
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.attach(self.eos_token_ids, lambda: self.measure_cost_model(speculator.max_draft_tokens))
 
     def measure_cost_model(self, max_draft_tokens: int = 32, context: int = 256) -> CostModel:
-        """Time real verification forwards on free slots (`rhymerl.cost_model.measure`): n sequences, each with
-        a `context`-token prefix, feeding t tokens as a chain. Run at start-up, before any request holds a
-        slot; a couple of seconds for a 135M model on a CPU."""
-        slots = self.scheduler.num_slots
-        context = min(context, self.max_model_len - 1)  # attention cost grows with it: a typical rollout's
-        self.runner.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
+        """Time real verification forwards on free slots (`ModelRunner.measure_cost`), each sequence with a
+        `context`-token prefix (attention cost grows with it: a typical rollout's). Run at start-up, before
+        any request holds a slot; a couple of seconds for a 135M model on a CPU."""
+        return self.runner.measure_cost(max_draft_tokens, min(context, self.max_model_len - 1))
 
-        def time_forward(n: int, t: int) -> float:
-            inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
-            t0 = time.perf_counter()
-            self.runner.run(inputs)
-            self.runner.synchronize()
-            return time.perf_counter() - t0
+    # ---- the engine's door: what its callers read and restore ----------------------------------
+    @property
+    def cost_model(self) -> CostModel | None:
+        """HistoSpec's forward-cost model (measured or given; None with speculation off): another engine of
+        the same model and slots can be built with it instead of measuring its own."""
+        return self.speculator.cost if self.speculator is not None else None
 
-        return cost_model.measure(time_forward, slots, max_draft_tokens)
+    def take_stats(self) -> tuple[EngineStats, SpecStats | None]:
+        """The engine's and HistoSpec's (None when off) counters since the last call or the start; fresh ones
+        count from now."""
+        taken = self.stats, (self.speculator.stats if self.speculator is not None else None)
+        self.stats = EngineStats()
+        if self.speculator is not None:
+            self.speculator.stats = SpecStats()
+        return taken
+
+    def state_dict(self) -> dict | None:
+        """What HistoSpec learned across rollouts (`Speculator.state_dict`), as plain data; None when off."""
+        return self.speculator.state_dict() if self.speculator is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what `state_dict` returned (a resume); nothing with speculation off or no state."""
+        if state is not None and self.speculator is not None:
+            self.speculator.load_state_dict(state)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: int | str | None = None,
@@ -152,7 +143,11 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), params)
         seq.group = prompt_key(prompt_ids) if group is None else group
         if continuation is not None:
-            migration.resume(self, seq, continuation)
+            migration.resume(seq, continuation, self.max_model_len)
+            self.stats.migrations += 1
+            if self.speculator is not None:  # its own and its siblings' indexes learn what it has generated
+                seq.spec = self.speculator.start(seq.group, seq.prompt_ids)
+                self.speculator.observe(seq.spec, seq.output_ids)
         self.scheduler.add(seq)
         return request_id
 
@@ -160,11 +155,25 @@ class Engine:
         """The requests not finished yet: waiting ones in queue order, then running ones in slot order."""
         return list(self.scheduler.waiting) + [self.scheduler.running[s] for s in sorted(self.scheduler.running)]
 
-    # ---- migration (`rhymerl.engine.migration`): a request handed over at a step boundary --
+    # ---- migration: a request handed over at a step boundary ---------------------------------------
     def extract(self, request_id: int | str) -> Continuation:
-        """Take an unfinished request out of this engine between two steps, freeing its slot, as plain data
-        another engine can `adopt`. KeyError when no unfinished request has that id."""
-        return migration.extract(self, request_id)
+        """Take an unfinished request (waiting or running) out of this engine between two steps, freeing its
+        slot, as plain data another engine can `adopt`. KeyError when no unfinished request has that id."""
+        seq = next((q for q in self.unfinished() if q.request_id == request_id), None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not unfinished in this engine (extract takes a waiting "
+                           f"or running request)")
+        if seq.status == Status.WAITING:
+            self.scheduler.waiting.remove(seq)
+        else:
+            self.scheduler.finish(seq)
+            for moved, old_slot in self.scheduler.compact():
+                self.runner.move(old_slot, moved.slot, moved.num_cached)
+        seq.status = Status.FINISHED
+        self.stats.handed_over += 1
+        if self.speculator is not None and not self.has_unfinished():
+            self.speculator.end_batch()  # the batch is over here: its sibling indexes go, as after a step
+        return seq.to_continuation()
 
     def adopt(self, continuation: Continuation) -> int | str:
         """Queue a request another engine handed over (`extract`): its first step prefills prompt +
@@ -260,24 +269,10 @@ class Engine:
                 return verified
 
         def draw(live: list[int], nodes: list[int], depths: list[int]):
-            return self._draw([seqs[i] for i in live], [starts[i] + n + 1 for i, n in zip(live, nodes)], depths, logits)
+            return sample_rows(logits, [seqs[i] for i in live], [starts[i] + n + 1 for i, n in zip(live, nodes)],
+                               depths, self.runner.ops)
 
         return verify(drafts, draw)
-
-    def _draw(self, seqs: list[Sequence], rows: list[int], offsets: list[int], logits: torch.Tensor):
-        """Sample one token at each logits row; the draw for output token j of a request depends on
-        (seed, request, j) only (here j = its output length + offset), exactly what plain decoding
-        uses there. Rows with the same SamplingParams share one call."""
-        groups: dict[SamplingParams, list[int]] = defaultdict(list)
-        for k, seq in enumerate(seqs):
-            groups[seq.params].append(k)
-        tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
-        for params, ks in groups.items():
-            keys = [draw_key(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
-            toks, lps = sample(logits, params, keys, self.runner.ops, [rows[k] for k in ks])
-            for k, t, lp in zip(ks, toks, lps):
-                tokens[k], logprobs[k] = t, lp
-        return tokens, logprobs
 
     def _commit(self, seq: Sequence, verified: Verified) -> StepEvent:
         """Append the accepted tokens and the bonus token (stopping at EOS, a stop string or the length

@@ -10,11 +10,14 @@ backend's (`rhymerl.engine.backends`, chosen by `select_backend`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from rhymerl import cost_model
+from rhymerl.cost_model import CostModel
 from rhymerl.engine.backends import Step, select_backend
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
@@ -66,6 +69,16 @@ class ModelRunner:
         self.backend = select_backend(model, cache, fused)
         self.ops = self.backend.ops
 
+    def check_fits(self, model: Decoder, num_slots: int, max_model_len: int, scratch: int) -> None:
+        """ValueError unless another engine of `model`, `num_slots` slots, `max_model_len` and `scratch` draft
+        positions can run on this runner (its cache, and on a GPU its captured graphs)."""
+        c = self.cache
+        if self.model is not model or c.kv.shape[1] != num_slots or c.max_len != max_model_len \
+                or c.capacity < max_model_len + scratch:
+            raise ValueError(f"runner= needs this engine's model, {num_slots} slots, max_model_len "
+                             f"{max_model_len} and room for {scratch} draft tokens; its cache has "
+                             f"{c.kv.shape[1]} slots of {c.max_len} (+{c.capacity - c.max_len})")
+
     @torch.inference_mode()
     def run(self, inputs: list[SlotInput], float_logits: bool = True) -> torch.Tensor:
         """One forward over every slot's new tokens -> logits [sum of returned rows, vocab]: fp32, or with
@@ -102,3 +115,19 @@ class ModelRunner:
         """Copy the first `length` committed positions of slot `src` to slot `dst` (`KVCache.move`, with the
         backend's state kept consistent)."""
         self.backend.move(src, dst, length)
+
+    def measure_cost(self, max_draft_tokens: int, context: int) -> CostModel:
+        """Time real verification forwards on the cache's slots (`rhymerl.cost_model.measure`): n sequences,
+        each with a `context`-token prefix, feeding t tokens as a chain. Only while no request holds a slot:
+        it writes every slot's first `context` + `max_draft_tokens` + 1 positions."""
+        slots = self.cache.kv.shape[1]
+        self.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
+
+        def time_forward(n: int, t: int) -> float:
+            inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
+            t0 = time.perf_counter()
+            self.run(inputs)
+            self.synchronize()
+            return time.perf_counter() - t0
+
+        return cost_model.measure(time_forward, slots, max_draft_tokens)

@@ -20,9 +20,11 @@ before top-k/top-p: the convention of verl and TRL, whose trainers recompute it 
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
-from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sampling_params import SamplingParams, draw_key
 
 BLOCK = 256  # columns per first-level block
 _TOKEN_SALT = 1 << 40  # noise streams: block b uses column b, token i uses column i + _TOKEN_SALT
@@ -117,6 +119,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernel
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
     tokens, logprobs = sample_tensors(logits, params, torch.tensor(keys, dtype=torch.int64, device=logits.device))
     return tokens.tolist(), logprobs.tolist()
+
+
+def sample_rows(logits: torch.Tensor, seqs: list, rows: list[int], offsets: list[int],
+                kernels=None) -> tuple[list[int], list[float]]:
+    """One token at each logits row `rows[k]`, for sequence `seqs[k]` (an engine `Sequence`: its params, key
+    and output); the draw for output token j of a request depends on (seed, request, j) only (here j = its
+    output length + `offsets[k]`), exactly what plain decoding uses there. Rows with the same SamplingParams
+    share one `sample` call."""
+    groups: dict[SamplingParams, list[int]] = defaultdict(list)
+    for k, seq in enumerate(seqs):
+        groups[seq.params].append(k)
+    tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
+    for params, ks in groups.items():
+        keys = [draw_key(params.seed, seqs[k].key, len(seqs[k].output_ids) + offsets[k]) for k in ks]
+        toks, lps = sample(logits, params, keys, kernels, [rows[k] for k in ks])
+        for k, t, lp in zip(ks, toks, lps):
+            tokens[k], logprobs[k] = t, lp
+    return tokens, logprobs
 
 
 def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,15 @@ class RequestOutput:
 
 
 @dataclass
+class StepEvent:
+    """One request's progress in one engine step (for streaming)."""
+
+    request_id: int | str
+    new_token_ids: list[int]
+    output: RequestOutput | None  # set when the request finished in this step
+
+
+@dataclass
 class Continuation:
     """A request handed over between engines at a step boundary (migration): plain, picklable
     data. The engine that adopts it (`Engine.adopt`) prefills prompt + generated tokens and decodes on from

@@ -29,6 +29,10 @@ from typing import TypeVar
 from rhymerl.histopipe.batching import Cost, decode_costs, worker_time
 
 POLICIES = ("static", "least_loaded", "histopipe", "oracle")
+SCHEDULES = POLICIES[:3]  # rollout.schedule's choices: the policies a real pool can run (oracle needs the future)
+# rollout.admission_order's choices: the order a worker's groups enter its slots (`rhymerl.rollout.worker`):
+# as given, longest predicted first (`admission_order`), or alternating shortest / longest first by step
+ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")
 T = TypeVar("T")
 
 

@@ -68,12 +68,13 @@ class CostOnlyLength:
 
 
 LENGTH_RULES = {"aimd": AIMDLength, "doubling": DoublingLength, "cost": CostOnlyLength}
+DRAFT_RULES = tuple(LENGTH_RULES)  # rollout.draft_rule's choices (the config reads them here)
 
 
 def length_rule(name: str, max_draft_tokens: int):
     """The per-sequence draft-length rule called `name` (a key of LENGTH_RULES)."""
     if name not in LENGTH_RULES:
-        raise ValueError(f"draft_rule must be one of {sorted(LENGTH_RULES)}, got {name!r}")
+        raise ValueError(f"draft_rule must be one of {DRAFT_RULES}, got {name!r}")
     return LENGTH_RULES[name](max_draft_tokens) if name == "cost" else LENGTH_RULES[name]()
 
 

@@ -27,6 +27,7 @@ from rhymerl.histospec.suffix_index import SuffixIndex
 from rhymerl.histospec.verify import Verified
 from rhymerl.history import HistoryStore
 
+SPECULATIVE_MODES = ("histospec", "off")  # rollout.speculative: HistoSpec's drafts, or plain decoding (no Speculator)
 SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling, so first tokens can match
 # The drafter matches up to MATCH_WINDOW recent tokens. A longer match tells apart sources that agree on the
 # last 7 tokens but not before: two responses caught in similar loops, or a history response that shares a
@@ -92,13 +93,17 @@ class Speculator:
     """HistoSpec's state in one engine: the drafter over `history`, the sibling groups of the running batch,
     the edge calibration, the step-level pause and the online correction of the cost model."""
 
-    def __init__(self, cost: CostModel, history: HistoryStore | None = None, rule: str = "aimd",
-                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4, correct_cost: bool = True,
-                 reward_weighted: bool = False):
-        """`reward_weighted`: branches of the history that higher-reward responses took come first (the
-        drafter's reward weighting, `rollout.reward_aware_drafting`); the same tokens either way."""
+    def __init__(self, cost: CostModel | None, history: HistoryStore | None = None, rule: str = "cost",
+                 max_draft_tokens: int = 32, eos_token_ids=(), max_branches: int = 4,
+                 correct_cost: bool | None = None, reward_weighted: bool = False):
+        """`cost`: the forward-cost model; None = the one the engine running this speculator measures
+        (`attach`). `correct_cost`: learn measured/predicted step time online (`observe_step`); None = for a
+        measured cost model (this engine's, or one another engine measured on the same model and slots), not
+        for one written by hand. `reward_weighted`: branches of the history that higher-reward responses took
+        come first (the drafter's reward weighting, `rollout.reward_aware_drafting`); the same tokens either
+        way. The drafts stop at `eos_token_ids`, which the engine sets (`attach`)."""
         self.cost = cost
-        self.correct_cost = correct_cost  # learn measured/predicted step time online (see observe_step)
+        self.correct_cost = correct_cost if correct_cost is not None or cost is None else cost.measured
         self.history = history  # the store drafts come from; its indexes, built and cached:
         self.indexes = HistoryIndex(history) if history is not None else None
         self.rule = budget.length_rule(rule, max_draft_tokens)
@@ -118,6 +123,18 @@ class Speculator:
         # when it drafts; the decision compares corrected costs. Updated by `observe_step`.
         self._ratio: dict[tuple[int, bool], float] = {}
         self._pending: tuple | None = None
+
+    def attach(self, eos_token_ids, measure_cost) -> None:
+        """Called once by the engine that runs this speculator: its EOS ids (a draft stops at one), and, when
+        built without a cost model, `measure_cost()` measures one on that engine."""
+        self.drafter.eos_token_ids = frozenset(eos_token_ids)
+        if self.cost is None:
+            self.cost = measure_cost()
+            self.correct_cost = self.cost.measured if self.correct_cost is None else self.correct_cost
+
+    def end_batch(self) -> None:
+        """No request of the batch is left in the engine: the sibling indexes, which live as long as it, go."""
+        self.groups.clear()
 
     # ---- what it learned, as plain data (saved with a training checkpoint) -----------------------
     def state_dict(self) -> dict:
@@ -172,7 +189,7 @@ class Speculator:
             self.record(seq.spec, draft, v.path, kept=len(new))
             self.observe(seq.spec, new)
         if batch_done:
-            self.groups.clear()
+            self.end_batch()
         self.observe_step(time.perf_counter() - started)
 
     # ---- pieces of the two calls ---------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
+from rhymerl.config.sections import SCALE_REWARDS  # train.scale_rewards' choices, owned by the config
 
 
 def grpo_advantages(

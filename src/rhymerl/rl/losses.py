@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
+from rhymerl.config.sections import LOSS_TYPES  # train.loss_type's choices, owned by the config
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

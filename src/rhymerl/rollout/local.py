@@ -59,8 +59,8 @@ class LocalPool:
         print(f"[rollout] worker {self.worker.worker_id} {why}: rebuilding it ({self.restarts[0]}/"
               f"{self.max_restarts}, rollout.max_worker_restarts) and running its requests again", file=sys.stderr)
         old = self.worker
-        self.worker = RolloutWorker(old.model, old.engine.tokenizer, old.config, old.worker_id,
-                                    cost_model=getattr(old.engine, "cost_model", None))  # None: speculation off
+        self.worker = RolloutWorker(old.model, old.tokenizer, old.config, old.worker_id,
+                                    cost_model=old.engine.cost_model)  # None: speculation off
         self.worker.weights_version = old.weights_version
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:

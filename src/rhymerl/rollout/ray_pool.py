@@ -45,7 +45,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput
-from rhymerl.histopipe.plan import plan
+from rhymerl.histopipe.plan import SCHEDULES, plan
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
@@ -67,7 +67,6 @@ def connect(address: str = "") -> None:
         ray.init(address="local", include_dashboard=False)
 
 
-SCHEDULES = ("static", "least_loaded", "histopipe")  # rollout.schedule: `histopipe.plan.POLICIES` less oracle
 # The plan's cost model when the pool has none and its workers measured none (speculation off): a step of 64
 # sequences costing 3x one of 1, the shape of a small model on a few CPU cores. Only its shape matters to the
 # plan: how much a step slows with the sequences it runs.

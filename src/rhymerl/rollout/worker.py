@@ -12,12 +12,11 @@ import torch
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
-from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput, Status
-from rhymerl.histopipe.plan import admission_order
+from rhymerl.histopipe.plan import ADMISSION_ORDERS, admission_order
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histospec.stats import SpecStats
+from rhymerl.histospec.speculator import SPECULATIVE_MODES, Speculator
 from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
@@ -44,11 +43,10 @@ class WorkerConfig:
     reward_aware_drafting: bool = False  # HistoSpec's reward-weighted branch priority (the same tokens)
 
     def __post_init__(self):
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
         if self.admission not in ADMISSION_ORDERS:
             raise ValueError(f"admission must be one of {ADMISSION_ORDERS}, got {self.admission!r}")
-
-
-ADMISSION_ORDERS = ("fifo", "longest_first", "alternate")
 
 
 class _HandoverRequest:
@@ -68,12 +66,15 @@ class RolloutWorker:
                  cost_model: CostModel | None = None):
         self.worker_id = worker_id
         self.config = config
+        self.tokenizer = tokenizer
         self.model = copy.deepcopy(policy).to(parse_dtype(config.dtype)).eval().requires_grad_(False)
         self.history = HistoryStore(max_rollouts=config.history_rollouts)  # a replica of the pool's
+        speculator = None
+        if config.speculative == "histospec":  # None for the cost model: the engine measures one
+            speculator = Speculator(cost_model, self.history, config.draft_rule, config.max_draft_tokens,
+                                    reward_weighted=config.reward_aware_drafting)
         self.engine = Engine(self.model, tokenizer, num_slots=config.num_slots, max_model_len=config.max_model_len,
-                             speculative=config.speculative, history=self.history,
-                             max_draft_tokens=config.max_draft_tokens, draft_rule=config.draft_rule,
-                             cost_model=cost_model, reward_aware_drafting=config.reward_aware_drafting)
+                             speculator=speculator)
         self.weights_version = 0
         # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
@@ -105,13 +106,11 @@ class RolloutWorker:
     def spec_state(self) -> dict | None:
         """HistoSpec's learned state (`Speculator.state_dict`: calibration, cost model and its correction,
         idle counters) as plain data, or None with speculation off."""
-        return self.engine.speculator.state_dict() if self.engine.speculator is not None else None
+        return self.engine.state_dict()
 
     def load_spec_state(self, state: dict | None) -> None:
         """Restore what `spec_state` returned (a resume); nothing with speculation off or no state."""
-        if state is not None and self.engine.speculator is not None:
-            self.engine.speculator.load_state_dict(state)
-            self.engine.cost_model = self.engine.speculator.cost
+        self.engine.load_state_dict(state)
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int, step: int | None = None,
@@ -126,9 +125,7 @@ class RolloutWorker:
                                     f"the rollout asks for version {weights_version}")
         stats = WorkerStats(self.worker_id, started=time.time())
         stats.history_prompts_replaced = self.history.merge(history)
-        self.engine.stats = EngineStats()
-        if self.engine.speculator is not None:
-            self.engine.speculator.stats = SpecStats()
+        self.engine.take_stats()  # this call's counters start here
         order = self.admission_order(groups, step)
         prompts = [g.prompt_ids for g in order for _ in g.request_ids]
         ids = [rid for g in order for rid in g.request_ids]
@@ -142,8 +139,7 @@ class RolloutWorker:
         stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
                        for o in outputs]
         stats.requests = len(outputs)
-        stats.engine = self.engine.stats
-        stats.spec = self.engine.speculator.stats if self.engine.speculator is not None else None
+        stats.engine, stats.spec = self.engine.take_stats()
         stats.finished = time.time()
         return outputs, stats
 

@@ -12,7 +12,7 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput, _ancestors
 from rhymerl.engine.sampling_params import SamplingParams
-from helpers import FLAT, history_of, peaky
+from helpers import history_of, peaky, speculator
 from tiny_models import random_prompts, tiny_decoder
 
 
@@ -125,8 +125,8 @@ def test_engine_outputs_equal_the_eager_engine(temperature):
     ids = [f"p{i}-g{g}" for i in range(5) for g in range(2)]
 
     def engine(spec, static):
-        e = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], speculative=spec,
-                   history=history if spec == "histospec" else None, cost_model=FLAT, max_draft_tokens=8)
+        e = Engine(model, num_slots=4, max_model_len=64, eos_token_ids=[], 
+                   speculator=speculator(spec, history))
         if static:
             e.runner.backend = CudaBackend(model, e.cache, "static")
         return e
