@@ -16,7 +16,8 @@ from rhymerl.cost_model import CostModel
 from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
-from rhymerl.rollout.ray_pool import RayPool, static_split, worker_resources
+from rhymerl.histopipe.plan import static_split
+from rhymerl.rollout.ray_pool import RayPool, worker_resources
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import peaky_checkpoint, random_prompts
 
@@ -58,8 +59,8 @@ def tokens(result):
 
 
 def test_static_split_and_resources():
-    assert static_split(5, 2) == [range(0, 3), range(3, 5)]
-    assert static_split(1, 3) == [range(0, 1), range(1, 1), range(1, 1)]
+    assert static_split(5, 2) == [[0, 1, 2], [3, 4]]  # the pool's static schedule: histopipe.plan's
+    assert static_split(1, 3) == [[0], [], []]
     assert worker_resources(2, "cpu", 2.0) == (1.0, 0, 1)
     assert worker_resources(1, "cpu", 2.0) == (2.0, 0, 2)
     assert worker_resources(4, "cuda", 2.0) == (0.5, 1, 1)

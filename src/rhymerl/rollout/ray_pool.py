@@ -36,7 +36,7 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import ray
 import torch
@@ -56,6 +56,14 @@ from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
 from rhymerl.rollout.worker import WorkerConfig
 
 
+class _Sent(NamedTuple):
+    """A share sent to a worker: which worker, its reply, and when it counts as late (time.monotonic)."""
+
+    worker: int
+    reply: ray.ObjectRef
+    deadline: float
+
+
 def connect(address: str = "") -> None:
     """Connect this process to Ray (`ray.address`): '' = start a fresh local cluster for this process,
     'auto' / 'host:port' = join a running one. Nothing when this process is already connected."""
@@ -71,18 +79,6 @@ def connect(address: str = "") -> None:
 # sequences costing 3x one of 1, the shape of a small model on a few CPU cores. Only its shape matters to the
 # plan: how much a step slows with the sequences it runs.
 DEFAULT_PLAN_COST = CostModel([1, 64], [1, 2], [[0.010, 0.011], [0.030, 0.050]])
-
-
-def static_split(num_groups: int, num_workers: int) -> list[range]:
-    """Equal contiguous shares in order, the first `num_groups % num_workers` workers one group more, as
-    ranges (`plan(..., "static")` as the pool schedules it)."""
-    base, extra = divmod(num_groups, num_workers)
-    shares, start = [], 0
-    for w in range(num_workers):
-        size = base + (w < extra)
-        shares.append(range(start, start + size))
-        start += size
-    return shares
 
 
 def _last_line(error: Exception) -> str:
@@ -167,71 +163,11 @@ class RayPool:
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
-        live = self.workers
-        # a share: groups (in admission order) and, for a migration, continuations
-        shares: list[tuple[list[RolloutGroup], list[Continuation]]] = [
-            ([groups[i] for i in share], []) for share in self._plan(groups, len(live))]
-        slices = [self.history.export(g.prompt_ids for g in share) for share, _ in shares]
-        pending: dict[int, tuple[int, ray.ObjectRef, float]] = {}  # share -> (worker, reply, deadline)
-
-        def send(k: int, w: int) -> None:  # a share queued behind another of the same worker waits for it
-            share, moved = shares[k]
-            ref = self.actors[w].rollout.remote(share, params, slices[k], self.weights_version, step, moved)
-            after = max([time.monotonic()] + [d for v, _, d in pending.values() if v == w])
-            pending[k] = (w, ref, after + self.timeout_s if self.timeout_s else math.inf)
-
-        def least_busy() -> int:
-            return min(self.actors, key=lambda w: sum(v == w for v, _, _ in pending.values()))
-
-        def failed(w: int, why: str) -> None:  # w's shares run again: on w restarted, or on the least busy
-            moved = [k for k, (v, _, _) in pending.items() if v == w]
-            for k in moved:
-                del pending[k]
-            restarted = self._recover(w, why)
-            for k in moved:
-                send(k, w if restarted else least_busy())
-
-        def migrate(idle: int) -> None:  # the step's tail: `idle` has no share left while others run
-            if not self.migration or idle not in self.actors or any(v == idle for v, _, _ in pending.values()):
-                return
-            load = {}  # busy worker -> its pending requests
-            for k, (v, _, _) in pending.items():
-                load[v] = load.get(v, 0) + sum(len(g.request_ids) for g in shares[k][0]) + len(shares[k][1])
-            if not load:
-                return
-            donor = max(sorted(load), key=load.__getitem__)
-            try:
-                moved = ray.get(self.actors[donor].hand_over.remote(), timeout=self.timeout_s)
-            except (RayActorError, GetTimeoutError):
-                return  # the donor's fault is for its rollout call to report
-            if moved:
-                shares.append(([], moved))
-                slices.append(self.history.export(c.prompt_ids for c in moved))
-                send(len(shares) - 1, idle)
-                self.migrations += len(moved)
-
-        for k, w in enumerate(live):
-            if shares[k][0]:
-                send(k, w)
-        done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
-        while pending:
-            first = min(d for _, _, d in pending.values())
-            ready, _ = ray.wait([ref for _, ref, _ in pending.values()], num_returns=1,
-                                timeout=None if first == math.inf else max(0.0, first - time.monotonic()))
-            for ref in ready:
-                k = next((k for k, (_, r, _) in pending.items() if r == ref), None)
-                if k is None:  # sent again meanwhile
-                    continue
-                try:
-                    done[k] = ray.get(ref)
-                    del pending[k]
-                except RayActorError as e:
-                    failed(pending[k][0], f"died ({type(e).__name__})")
-                else:
-                    migrate(done[k][1].worker)
-            late = {w for w, _, d in pending.values() if d <= time.monotonic()}
-            for w in sorted(late):
-                failed(w, f"did not answer within {self.timeout_s:g}s")
+        call = _Call(self, params, step)
+        for share, w in zip(self._plan(groups, len(self.actors)), self.workers):
+            if share:
+                call.send(call.add_share([groups[i] for i in share], []), w)
+        done = call.run()
         # A request comes back once; twice only when a worker that handed some over failed afterwards and its
         # share ran again: the same tokens (keyed randomness), so either copy will do.
         by_id = {o.request_id: o for k in sorted(done) for o in done[k][0]}
@@ -305,3 +241,93 @@ class RayPool:
         for a in self.actors.values():
             ray.kill(a, no_restart=True)
         self.actors = {}
+
+
+class _Call:
+    """One `RayPool.rollout` call in flight, its state explicit: the shares (a share is groups in admission
+    order, or continuations moved to an idle worker; share k's history slice is `slices[k]`), the shares sent
+    and not answered yet (`pending`, by share) and the answers (`done`, by share). `run` is the event loop:
+    wait for the first answer or deadline; an answer is done and may start a migration, an actor that died or
+    is late has its shares sent again (`RayPool._recover`)."""
+
+    def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
+        self.pool, self.params, self.step = pool, params, step
+        self.shares: list[tuple[list[RolloutGroup], list[Continuation]]] = []
+        self.slices: list[dict] = []
+        self.pending: dict[int, _Sent] = {}
+        self.done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
+
+    def add_share(self, groups: list[RolloutGroup], moved: list[Continuation]) -> int:
+        """A new share and the history slice of its prompts; its index."""
+        self.shares.append((groups, moved))
+        prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in moved]
+        self.slices.append(self.pool.history.export(prompts))
+        return len(self.shares) - 1
+
+    def send(self, k: int, w: int) -> None:
+        """Share k to worker w; one queued behind another share of the same worker waits for it, so its
+        deadline starts after that one's."""
+        groups, moved = self.shares[k]
+        pool = self.pool
+        reply = pool.actors[w].rollout.remote(groups, self.params, self.slices[k], pool.weights_version, self.step,
+                                              moved)
+        after = max([time.monotonic()] + [s.deadline for s in self.pending.values() if s.worker == w])
+        self.pending[k] = _Sent(w, reply, after + pool.timeout_s if pool.timeout_s else math.inf)
+
+    def run(self) -> dict[int, tuple[list[RequestOutput], WorkerStats]]:
+        """Until every share is answered: the answers by share."""
+        while self.pending:
+            first = min(s.deadline for s in self.pending.values())
+            ready, _ = ray.wait([s.reply for s in self.pending.values()], num_returns=1,
+                                timeout=None if first == math.inf else max(0.0, first - time.monotonic()))
+            for reply in ready:
+                self._receive(reply)
+            late = {s.worker for s in self.pending.values() if s.deadline <= time.monotonic()}
+            for w in sorted(late):
+                self._failed(w, f"did not answer within {self.pool.timeout_s:g}s")
+        return self.done
+
+    def _receive(self, reply: ray.ObjectRef) -> None:
+        k = next((k for k, s in self.pending.items() if s.reply == reply), None)
+        if k is None:  # sent again meanwhile
+            return
+        try:
+            self.done[k] = ray.get(reply)
+            del self.pending[k]
+        except RayActorError as e:
+            self._failed(self.pending[k].worker, f"died ({type(e).__name__})")
+        else:
+            self._migrate(self.done[k][1].worker)
+
+    def _failed(self, w: int, why: str) -> None:
+        """Worker w failed: its shares run again, on w restarted or on the least busy worker."""
+        moved = [k for k, s in self.pending.items() if s.worker == w]
+        for k in moved:
+            del self.pending[k]
+        restarted = self.pool._recover(w, why)
+        for k in moved:
+            self.send(k, w if restarted else self._least_busy())
+
+    def _least_busy(self) -> int:
+        return min(self.pool.actors, key=lambda w: sum(s.worker == w for s in self.pending.values()))
+
+    def _migrate(self, idle: int) -> None:
+        """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
+        (most pending requests) hands over some of its unfinished requests, sent to `idle` as a new share."""
+        pool = self.pool
+        if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
+            return
+        load: dict[int, int] = {}  # busy worker -> its pending requests
+        for k, s in self.pending.items():
+            groups, moved = self.shares[k]
+            load[s.worker] = load.get(s.worker, 0) + sum(len(g.request_ids) for g in groups) + len(moved)
+        if not load:
+            return
+        donor = max(sorted(load), key=load.__getitem__)
+        try:
+            moved = ray.get(pool.actors[donor].hand_over.remote(), timeout=pool.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            return  # the donor's fault is for its rollout call to report
+        if moved:
+            self.send(self.add_share([], moved), idle)
+            pool.migrations += len(moved)
