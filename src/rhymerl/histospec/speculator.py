@@ -239,8 +239,35 @@ class Speculator:
         t0 = time.perf_counter()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
+        drafts, skipped = self._draft_each(contexts, specs, max_depths or [None] * len(specs))
+        ranked, order = self._rank(drafts)
+        plain_cost = self.cost(base_tokens, seqs)
+        # measured/predicted time of drafting steps relative to plain ones (observe_step)
+        scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+
+        def step_cost(n: int) -> float:  # predicted time of this step with n draft tokens
+            return self.cost(base_tokens + n, seqs) * scale
+
+        choose = budget.uniform_cap if draining else budget.top_nodes
+        keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
+        pays = self._pays(ranked, keep, plain_cost, step_cost(extra), t0)
+        if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
+            limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
+            extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
+                                                      for j in range(1, PROBE_NODES + 1)))
+        self._count_rounds(specs, keep, skipped)
+        self._pending = (bucket, any(keep), self.cost(base_tokens + extra, seqs))
+        self._idle[bucket] = 0 if pays else idle + 1
+        out = [budget.prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
+        self._count_draft_time(time.perf_counter() - t0, specs, skipped)
+        return out
+
+    # ---- the parts of `plan` ------------------------------------------------------------------------
+    def _draft_each(self, contexts: list[list[int]], specs: list[SeqSpec],
+                    max_depths: list[int | None]) -> tuple[list[Draft], list[bool]]:
+        """Each sequence's draft tree (empty for one sitting out: `SeqSpec.drafts_now`), and which sat out."""
         drafts, skipped = [], []
-        for ctx, s, depth in zip(contexts, specs, max_depths or [None] * len(specs)):
+        for ctx, s, depth in zip(contexts, specs, max_depths):
             skipped.append(not s.drafts_now())
             if skipped[-1]:
                 drafts.append(Draft())
@@ -248,52 +275,45 @@ class Speculator:
                 s.flush()
                 drafts.append(self.drafter.draft(ctx, history=s.history, siblings=s.group.index, own=s.own,
                                                  max_tokens=s.length, max_depth=depth))
+        return drafts, skipped
+
+    def _rank(self, drafts: list[Draft]) -> tuple[list[list[float]], list[list[int]]]:
+        """Each draft's node values, most valuable first, and the node indices in that order. A node's value,
+        its path probability discounted by depth and match class (`EdgeCalibration.discounts`), is never above
+        its parent's, and ties go to the lower index (parents first): every prefix is a rooted subtree."""
         reach = [self.calibration.discounts(c) for c in range(MATCH_CLASSES)]
-        # Each draft's nodes, most valuable first: a node's calibrated value is never above its parent's
-        # (path probability and the depth discount both shrink), and ties go to the lower index (parents
-        # come first), so every prefix of this order is a rooted subtree.
         discounts = [reach[match_class(d.match_len)] for d in drafts]
         values = [[p * r[k] for p, k in zip(d.probs, d.depths())] for d, r in zip(drafts, discounts)]
         order = [sorted(range(len(v)), key=lambda j: (-v[j], j)) for v in values]
-        plain_cost = self.cost(base_tokens, seqs)
-        # measured/predicted time of drafting steps relative to plain ones (observe_step)
-        scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
-        ranked = [[v[j] for j in o] for v, o in zip(values, order)]
+        return [[v[j] for j in o] for v, o in zip(values, order)], order
 
-        def step_cost(n: int) -> float:  # predicted time of this step with n draft tokens
-            return self.cost(base_tokens + n, seqs) * scale
+    @staticmethod
+    def _pays(ranked: list[list[float]], keep: list[int], plain_cost: float, kept_cost: float, t0: float) -> bool:
+        """Whether proposing paid, for the step-level pause: the time the kept drafts are expected to save
+        (plain decoding would take longer to commit the same tokens; `kept_cost`: the step's predicted time
+        with them) must exceed the time drafting took since `t0`. The kept drafts are verified either way, but
+        a step that saves less counts as idle: at a high temperature a few promising-looking drafts per step
+        otherwise kept every sequence drafting, for fewer tokens than the drafting cost (docs/notebook, bench
+        spec at 919e14e)."""
+        gain = sum(sum(r[:k]) for r, k in zip(ranked, keep))
+        saved = (len(ranked) + gain) * plain_cost / len(ranked) - kept_cost if any(keep) else 0.0
+        return saved > time.perf_counter() - t0
 
-        choose = budget.uniform_cap if draining else budget.top_nodes
-        keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
+    @staticmethod
+    def _count_rounds(specs: list[SeqSpec], keep: list[int], skipped: list[bool]) -> None:
+        """A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
+        drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here too
+        would compound the two schedules until no probe ever drafted again."""
         drafting = any(keep)
-        # Whether proposing paid, for the step-level pause: the time the kept drafts are expected to save
-        # (plain decoding would take longer to commit the same tokens) must exceed the time drafting took.
-        # The kept drafts are verified either way (drafting is spent by now), but a step that saves less
-        # counts as idle: at a high temperature a few promising-looking drafts per step otherwise kept
-        # every sequence drafting, for fewer tokens than the drafting cost (docs/notebook, bench spec
-        # at 919e14e).
-        gain = sum(sum(r[:n]) for r, n in zip(ranked, keep))
-        saved = (len(contexts) + gain) * plain_cost / len(contexts) - step_cost(extra) if drafting else 0.0
-        pays = saved > time.perf_counter() - t0
-        if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
-            limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
-            extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
-                                                      for j in range(1, PROBE_NODES + 1)))
-            drafting = any(keep)
-        # A sequence loses a round when others' drafts won it, or when it sat this one out. A step that
-        # drafts nothing at all is the step-level pause's business (`drafting_paused`): counting it here
-        # too would compound the two schedules until no probe ever drafted again.
         for s, n, skip in zip(specs, keep, skipped):
             s.idle = 0 if n else s.idle + 1 if drafting or skip else s.idle
-        self._pending = (bucket, drafting, self.cost(base_tokens + extra, seqs))
-        self._idle[bucket] = 0 if pays else idle + 1
-        out = [budget.prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
-        elapsed = time.perf_counter() - t0
+
+    def _count_draft_time(self, elapsed: float, specs: list[SeqSpec], skipped: list[bool]) -> None:
+        """The step's drafting time, for the engine and, split evenly, for the sequences that drafted."""
         self.stats.draft_s += elapsed
         drafted = [s for s, skip in zip(specs, skipped) if not skip]
         for s in drafted:
             s.stats.draft_s += elapsed / len(drafted)
-        return out
 
     def edge_calibration(self, cls: int | None = None) -> list[float]:
         """The calibrated continuation factors by depth (`EdgeCalibration.factors`)."""
