@@ -320,9 +320,9 @@ def test_lora_trains_adapters_only_and_resumes_exactly(tiny_dir, tmp_path):
 def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
     cfg = load_config(None, _overrides(tiny_dir, tmp_path / "run", "train.total_steps=2", "val.every=0"))
     run_dir = TrainingRun(cfg, cost_model=FLAT).run()
-    s = spec_bench.run("unused", "fp32", (1.0,), num_prompts=4, num_generations=2, slots=4, max_tokens=8,
-                       identity_prompts=2, identity_max_tokens=8, history_from=run_dir, repeats=1, epoch_seeds=2,
-                       reward_aware=True)
+    s = spec_bench.run(spec_bench.SpecBenchConfig(
+        "unused", "fp32", (1.0,), num_prompts=4, num_generations=2, slots=4, max_tokens=8, identity_prompts=2,
+        identity_max_tokens=8, history_from=run_dir, repeats=1, epoch_seeds=2, reward_aware=True))
     row = s["temperatures"]["1.0"]
     ra = row["reward_aware"]  # a third run per round, paired with the plain-priority one: fp32, the same tokens
     assert ra["identity_vs_plain"] == 1.0 and len(ra["runs_tok_s"]) == 2 and ra["vs_histospec_paired"] > 0
@@ -336,7 +336,7 @@ def test_bench_spec_drafts_from_a_training_runs_history(tiny_dir, tmp_path):
     assert row["plain_ms_per_forward"] > 0 and row["spec_ms_per_forward"] > 0
     assert row["plain_other_ms_per_step"] >= 0 and row["spec_other_ms_per_step"] >= 0
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        spec_bench.run("unused", "fp32", (1.0,), history_from=tmp_path)
+        spec_bench.run(spec_bench.SpecBenchConfig("unused", "fp32", (1.0,), history_from=tmp_path))
 
 
 def test_bench_e2e_rhymerl_side_curves_match(tiny_dir, tmp_path, monkeypatch):

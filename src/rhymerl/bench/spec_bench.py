@@ -22,9 +22,9 @@ history carries the run's rewards, so `reward_aware=True` (`--reward-aware`) mea
 
 from __future__ import annotations
 
-import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from rich.console import Console
@@ -32,6 +32,7 @@ from rich.table import Table
 
 from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.progress import Progress
+from rhymerl.bench.spec_figures import figures, identity, reward_aware_figures, speedup
 from rhymerl.bench.spec_inputs import history_of_run, load_prompts
 from rhymerl.data.dataset import BUILTIN_TASKS
 from rhymerl.engine.engine import Engine
@@ -71,10 +72,6 @@ def mean_entropy(model, prompts, outs, num_generations: int, temperature: float,
     return total / max(count, 1)
 
 
-def identity(a, b) -> float:
-    return sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / max(len(a), 1)
-
-
 def _tail(make_engine, prompts, request_ids, params, suffix: str, repeats: int) -> dict:
     """Tokens/s of plain and HistoSpec on the tail requests (`make_engine(mode)`), their ratio, the tokens
     each generated and whether the outputs are token-identical. Like the full batch, the two alternate
@@ -97,213 +94,230 @@ def _tail(make_engine, prompts, request_ids, params, suffix: str, repeats: int) 
     return out
 
 
-def _ms_per_forward(stats: list, part: str) -> float:
-    """Milliseconds per forward pass, over the runs' EngineStats, of the forward itself ("forward") or of the
-    rest of the step ("other")."""
-    seconds = sum(x.forward_s if part == "forward" else x.busy_s - x.forward_s for x in stats)
-    return round(1e3 * seconds / max(sum(x.forward_passes for x in stats), 1), 2)
+@dataclass
+class SpecBenchConfig:
+    """What `rhymerl bench spec` runs: its options (`rhymerl bench spec --help` words each)."""
+
+    model_name: str = "smollm2-135m"
+    dtype: str = "auto"
+    temperatures: tuple[float, ...] = (0.3, 0.6, 1.0)
+    num_prompts: int = 16
+    num_generations: int = 8
+    slots: int = 32
+    max_tokens: int = 256
+    data: str | None = None
+    identity_prompts: int = 16  # 0 = no fp32 identity check
+    identity_max_tokens: int = 96
+    seed: int = 0
+    draft_rule: str = "cost"
+    max_draft_tokens: int | None = None  # None: as a training run in this dtype (DEFAULT_MAX_DRAFT_TOKENS)
+    history_from: str | None = None  # a training run's directory: its policy, history and prompts
+    repeats: int = 3
+    epoch_seeds: int = 1
+    device: str | None = None
+    reward_aware: bool = False
 
 
-def _paired(rounds: list[dict], mode: str, base: str) -> float:
-    """Geometric mean over the rounds of runs of `mode`'s tokens/s over `base`'s in the same round."""
-    return round(math.exp(sum(math.log(r[mode] / r[base]) for r in rounds) / len(rounds)), 3)
+class _Engines:
+    """The bench's engines, made on the way. One cost model per model and engine shape, measured by the first
+    HistoSpec engine of that shape, as a training run measures once at start-up. Re-measuring for every timed
+    run made the run right after the measurement's large forwards the slow one of a pair (one-off A/B at
+    T=1.0, where HistoSpec drafts almost nothing: only the measured-just-before runs lost to plain). Likewise
+    one runner (KV cache, and on a GPU the CUDA graphs captured on it) per engine shape, made by that first
+    HistoSpec engine: every engine of the shape runs on it, so a step shape is captured once, not in every
+    timed run."""
 
+    def __init__(self, tokenizer, draft_rule: str, max_draft_tokens: int):
+        self.tokenizer, self.draft_rule, self.max_draft_tokens = tokenizer, draft_rule, max_draft_tokens
+        self.costs, self.runners = {}, {}
 
-def _speedup(spec_tokens: int, spec_s: float, plain_tokens: int, plain_s: float) -> float:
-    """HistoSpec tokens/s over plain tokens/s."""
-    return round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3)
-
-
-def run(model_name="smollm2-135m", dtype="auto", temperatures=(0.3, 0.6, 1.0), num_prompts=16,
-        num_generations=8, slots=32, max_tokens=256, data=None, identity_prompts=16, identity_max_tokens=96,
-        seed=0, draft_rule="cost", max_draft_tokens=None, history_from=None, repeats=3, epoch_seeds=1, device=None,
-        reward_aware=False) -> dict:
-    if repeats < 1:
-        raise UserError(f"--repeats must be at least 1, got {repeats}")
-    if epoch_seeds < 1:
-        raise UserError(f"--epoch-seeds must be at least 1, got {epoch_seeds}")
-    run_history = None
-    if history_from is not None:
-        run_history, ckpt = history_of_run(history_from)
-        model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
-    dtype = resolve_dtype(dtype, device or default_device())  # the JSON names what ran
-    max_draft_tokens = max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS[dtype]  # as a training run in this dtype
-    separate_fp32 = bool(identity_prompts) and dtype != "fp32"  # progress: the stages below, counted
-    per_temp = (run_history is None) + (2 + reward_aware) * epoch_seeds * repeats + 1 + separate_fp32 + bool(identity_prompts)
-    progress = Progress("spec", 3 + separate_fp32 + bool(identity_prompts) + len(temperatures) * per_temp)
-    progress.stage(f"loading {model_name} ({dtype}{' and fp32' if separate_fp32 else ''})")
-    model, tokenizer, model_dir = load_pretrained(model_name, dtype, device)
-    device = next(model.parameters()).device
-    if run_history is not None:
-        prompts = [run_history.prompt(k) for k in run_history.keys()][-num_prompts:]  # most recently used
-    else:
-        prompts = load_prompts(tokenizer, data, num_prompts, seed)
-    max_len = max(map(len, prompts)) + max_tokens
-    fp32 = None  # the identity check's model (and the fp32 tail's, when the timed runs are not fp32 already)
-    if identity_prompts:
-        fp32 = model if dtype == "fp32" else load_pretrained(model_name, "fp32", device)[0]
-
-    # One cost model per model and engine shape, measured by the first HistoSpec engine of that shape,
-    # as a training run measures once at start-up. Re-measuring for every timed run made the run right
-    # after the measurement's large forwards the slow one of a pair (one-off A/B at T=1.0, where
-    # HistoSpec drafts almost nothing: only the measured-just-before runs lost to plain).
-    # Likewise one runner (KV cache, and on a GPU the CUDA graphs captured on it) per engine shape, made by that
-    # first HistoSpec engine: every engine of the shape runs on it, so a step shape is captured once, not in
-    # every timed run.
-    costs, runners = {}, {}
-
-    def make(m, spec, history=None, n_slots=slots, length=max_len, aware=False):
+    def make(self, m, spec: str, history=None, *, n_slots: int, length: int, aware: bool = False) -> Engine:
+        """An engine on model `m`: plain (`spec` "off") or HistoSpec drafting from `history`."""
         key = (id(m), n_slots, length)
-        speculator = None if spec == "off" else Speculator(costs.get(key), history, draft_rule, max_draft_tokens,
-                                                           reward_weighted=aware)
-        engine = Engine(m, tokenizer, num_slots=n_slots, max_model_len=length, speculator=speculator,
-                        runner=runners.get(key))
+        speculator = None if spec == "off" else Speculator(self.costs.get(key), history, self.draft_rule,
+                                                           self.max_draft_tokens, reward_weighted=aware)
+        engine = Engine(m, self.tokenizer, num_slots=n_slots, max_model_len=length, speculator=speculator,
+                        runner=self.runners.get(key))
         if spec == "histospec":
-            costs.setdefault(key, engine.cost_model)
-            runners.setdefault(key, engine.runner)
+            self.costs.setdefault(key, engine.cost_model)
+            self.runners.setdefault(key, engine.runner)
         return engine
 
-    identity_len = max(map(len, prompts[:identity_prompts]), default=0) + identity_max_tokens
-    timed = {"full": (model, slots), "tail": (model, TAIL)}  # the timed engine shapes, by name
-    if fp32 is not None and fp32 is not model:
-        timed["tail_fp32"] = (fp32, TAIL)
-    shapes = [(m, n_slots, max_len) for m, n_slots in timed.values()]
-    if fp32 is not None:
-        shapes.append((fp32, 8, identity_len))  # the identity check
-    for m, n_slots, length in shapes:  # measured before any timed run, untimed
-        progress.stage(f"measuring the cost model ({n_slots} slots, {length} tokens, "
-                       f"{'fp32' if m is fp32 else dtype})")
-        make(m, "histospec", n_slots=n_slots, length=length)
-    # What this machine allows at all: the speed-up of a perfect drafter by the measured forward costs
-    # (`CostModel.ceiling`), for the full batch and for the tails. Where a target is above it, no drafter
-    # can reach it here.
-    ceiling = {}
-    for name, (m, n_slots) in timed.items():
-        speedup, t = costs[(id(m), n_slots, max_len)].ceiling(n_slots, max_draft_tokens + 1)
-        ceiling[name] = {"speedup": round(speedup, 3), "tokens_per_seq": t}
 
-    results, started = {}, time.perf_counter()
-    for temp in temperatures:
-        epoch1 = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 1000)
-        if run_history is not None:
-            history = run_history
+class _SpecBench:
+    """One `bench spec` run: the model(s) and prompts loaded, the engines' shapes measured, then per
+    temperature the epochs and their figures (`temperature`)."""
+
+    def __init__(self, cfg: SpecBenchConfig):
+        if cfg.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, got {cfg.repeats}")
+        if cfg.epoch_seeds < 1:
+            raise UserError(f"--epoch-seeds must be at least 1, got {cfg.epoch_seeds}")
+        self.cfg = cfg
+        self.run_history, self.model_name = None, cfg.model_name
+        if cfg.history_from is not None:
+            self.run_history, ckpt = history_of_run(cfg.history_from)
+            self.model_name = str(ckpt)  # the run's policy at that checkpoint: a Hugging Face directory
+        self.dtype = resolve_dtype(cfg.dtype, cfg.device or default_device())  # the JSON names what ran
+        # as a training run in this dtype
+        self.max_draft_tokens = cfg.max_draft_tokens or DEFAULT_MAX_DRAFT_TOKENS[self.dtype]
+        separate_fp32 = bool(cfg.identity_prompts) and self.dtype != "fp32"  # progress: the stages, counted
+        per_temp = ((self.run_history is None) + (2 + cfg.reward_aware) * cfg.epoch_seeds * cfg.repeats + 1
+                    + separate_fp32 + bool(cfg.identity_prompts))
+        self.progress = Progress("spec", 3 + separate_fp32 + bool(cfg.identity_prompts)
+                                 + len(cfg.temperatures) * per_temp)
+        self.progress.stage(f"loading {self.model_name} ({self.dtype}{' and fp32' if separate_fp32 else ''})")
+        self.model, tokenizer, _ = load_pretrained(self.model_name, self.dtype, cfg.device)
+        self.device = next(self.model.parameters()).device
+        if self.run_history is not None:  # most recently used
+            self.prompts = [self.run_history.prompt(k) for k in self.run_history.keys()][-cfg.num_prompts:]
         else:
-            history = HistoryStore()
-            progress.stage(f"T={temp}: epoch 1 (the history)")
-            outs1, _ = rollout(make(model, "off"), prompts, num_generations, epoch1)
-            for i, p in enumerate(prompts):
-                history.record_rollout(p, [o.token_ids for o in outs1[i * num_generations : (i + 1) * num_generations]])
-        # Plain and HistoSpec alternate `repeats` times, each keeping its fastest run: this machine's speed
-        # drifts by several percent over minutes, and noise only ever adds time. With several epoch seeds
-        # the figures are totals over the seeds: in bf16 the two sides sample different responses (see
-        # identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way.
-        epoch2 = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + 2000 + k) for k in range(epoch_seeds)]
-        # With --reward-aware, a third run in every round drafts reward-aware: the same cost model (measured
-        # once above) and so the same budget as the plain-priority HistoSpec run beside it, a paired comparison.
-        modes = ("off", "histospec", "reward_aware")[:2 + reward_aware]
-        runs = []  # per epoch seed: {mode: (outputs, seconds, engine)}
-        pairs = []  # every round of runs, in order: their tokens/s by mode
+            self.prompts = load_prompts(tokenizer, cfg.data, cfg.num_prompts, cfg.seed)
+        self.max_len = max(map(len, self.prompts)) + cfg.max_tokens
+        self.fp32 = None  # the identity check's model (and the fp32 tail's, when the timed runs are not fp32)
+        if cfg.identity_prompts:
+            self.fp32 = self.model if self.dtype == "fp32" else load_pretrained(self.model_name, "fp32", self.device)[0]
+        self.identity_len = max(map(len, self.prompts[:cfg.identity_prompts]), default=0) + cfg.identity_max_tokens
+        self.engines = _Engines(tokenizer, cfg.draft_rule, self.max_draft_tokens)
+
+    def make(self, m, spec: str, history=None, n_slots: int | None = None, length: int | None = None,
+             aware: bool = False) -> Engine:
+        return self.engines.make(m, spec, history, n_slots=n_slots or self.cfg.slots, length=length or self.max_len,
+                                 aware=aware)
+
+    def measure(self) -> dict:
+        """Every timed engine shape's cost model, measured before any timed run (untimed), and the ceiling:
+        the speed-up of a perfect drafter by the measured forward costs (`CostModel.ceiling`), for the full
+        batch and for the tails. Where a target is above it, no drafter can reach it here."""
+        timed = {"full": (self.model, self.cfg.slots), "tail": (self.model, TAIL)}  # by name
+        if self.fp32 is not None and self.fp32 is not self.model:
+            timed["tail_fp32"] = (self.fp32, TAIL)
+        shapes = [(m, n_slots, self.max_len) for m, n_slots in timed.values()]
+        if self.fp32 is not None:
+            shapes.append((self.fp32, 8, self.identity_len))  # the identity check
+        for m, n_slots, length in shapes:
+            self.progress.stage(f"measuring the cost model ({n_slots} slots, {length} tokens, "
+                                f"{'fp32' if m is self.fp32 else self.dtype})")
+            self.make(m, "histospec", n_slots=n_slots, length=length)
+        ceiling = {}
+        for name, (m, n_slots) in timed.items():
+            cost = self.engines.costs[(id(m), n_slots, self.max_len)]
+            speedup, t = cost.ceiling(n_slots, self.max_draft_tokens + 1)
+            ceiling[name] = {"speedup": round(speedup, 3), "tokens_per_seq": t}
+        return ceiling
+
+    def temperature(self, temp: float) -> dict:
+        """The figures of one temperature: epoch 2's timed rounds, the long tail, the fp32 identity check."""
+        cfg = self.cfg
+        history = self.run_history if self.run_history is not None else self.epoch1(temp)
+        epoch2 = [SamplingParams(temperature=temp, max_tokens=cfg.max_tokens, seed=cfg.seed + 2000 + k)
+                  for k in range(cfg.epoch_seeds)]
+        runs, pairs = self.epoch2(temp, history, epoch2)
+        row = figures(runs, pairs, self.dtype)
+        row = {"entropy": round(mean_entropy(self.model, self.prompts, runs[0]["off"][0], cfg.num_generations,
+                                             temp), 3), **row}
+        if cfg.reward_aware:
+            row["reward_aware"] = reward_aware_figures(runs, pairs)
+        if cfg.epoch_seeds > 1:
+            row["speedup_by_seed"] = [speedup(r["histospec"][2][0].generated_tokens, r["histospec"][1],
+                                               r["off"][2][0].generated_tokens, r["off"][1]) for r in runs]
+        row.update(self.tails(temp, history, runs[0]["off"][0], epoch2[0]))
+        return row
+
+    def epoch1(self, temp: float) -> HistoryStore:
+        """Epoch 1, plain decoding with its own seed, recorded as the history (as the previous RL step)."""
+        cfg = self.cfg
+        history = HistoryStore()
+        self.progress.stage(f"T={temp}: epoch 1 (the history)")
+        epoch1 = SamplingParams(temperature=temp, max_tokens=cfg.max_tokens, seed=cfg.seed + 1000)
+        outs1, _ = rollout(self.make(self.model, "off"), self.prompts, cfg.num_generations, epoch1)
+        n = cfg.num_generations
+        for i, p in enumerate(self.prompts):
+            history.record_rollout(p, [o.token_ids for o in outs1[i * n : (i + 1) * n]])
+        return history
+
+    def epoch2(self, temp: float, history: HistoryStore, epoch2: list[SamplingParams]) -> tuple[list, list]:
+        """Plain and HistoSpec alternate `repeats` times per epoch seed, each keeping its fastest run: this
+        machine's speed drifts by several percent over minutes, and noise only ever adds time. With several
+        epoch seeds the figures are totals over the seeds: in bf16 the two sides sample different responses
+        (see identity_rate_bf16), and one sample's lengths move tokens/s by a few percent either way. With
+        --reward-aware, a third run in every round drafts reward-aware: the same cost model (measured once)
+        and so the same budget as the plain-priority HistoSpec run beside it, a paired comparison.
+        Returns (per epoch seed: {mode: (outputs, seconds, (EngineStats, SpecStats))} of the fastest run,
+        every round's tokens/s by mode)."""
+        cfg = self.cfg
+        modes = ("off", "histospec", "reward_aware")[:2 + cfg.reward_aware]
+        runs, pairs = [], []
         for params in epoch2:
             best: dict[str, tuple] = {}
-            for rep in range(repeats):
+            for rep in range(cfg.repeats):
                 tok_s = {}
                 for mode in modes:
-                    progress.stage(f"T={temp}: epoch 2 seed {params.seed} repeat {rep + 1}/{repeats}: "
-                                   f"{'plain' if mode == 'off' else mode}")
-                    engine = make(model, "off" if mode == "off" else "histospec", history,
-                                  aware=mode == "reward_aware")
-                    outs, seconds = rollout(engine, prompts, num_generations, params)
+                    self.progress.stage(f"T={temp}: epoch 2 seed {params.seed} repeat {rep + 1}/{cfg.repeats}: "
+                                        f"{'plain' if mode == 'off' else mode}")
+                    engine = self.make(self.model, "off" if mode == "off" else "histospec", history,
+                                       aware=mode == "reward_aware")
+                    outs, seconds = rollout(engine, self.prompts, cfg.num_generations, params)
                     stats = engine.take_stats()  # (EngineStats, SpecStats or None)
                     tok_s[mode] = stats[0].generated_tokens / seconds
                     if mode not in best or seconds < best[mode][1]:
                         best[mode] = (outs, seconds, stats)
                 pairs.append(tok_s)
             runs.append(best)
-        plain_all = [o for r in runs for o in r["off"][0]]  # every epoch's outputs, for the identity rate
-        spec_all = [o for r in runs for o in r["histospec"][0]]
-        plain_s, spec_s = sum(r["off"][1] for r in runs), sum(r["histospec"][1] for r in runs)
-        ps = [r["off"][2][0] for r in runs]
-        ss = [r["histospec"][2][0] for r in runs]
-        sp = [r["histospec"][2][1] for r in runs]
-        tokens_plain, tokens_spec = sum(x.generated_tokens for x in ps), sum(x.generated_tokens for x in ss)
-        drafted, accepted = sum(x.drafted for x in sp), sum(x.accepted for x in sp)
-        verify_steps = sum(x.verify_steps for x in sp)
-        row = {
-            "entropy": round(mean_entropy(model, prompts, runs[0]["off"][0], num_generations, temp), 3),
-            "tokens_plain": tokens_plain, "tokens_spec": tokens_spec,
-            "plain_s": round(plain_s, 2), "spec_s": round(spec_s, 2),
-            "plain_tok_s": round(tokens_plain / plain_s, 1), "spec_tok_s": round(tokens_spec / spec_s, 1),
-            "speedup": _speedup(tokens_spec, spec_s, tokens_plain, plain_s),
-            # The same from each pair of adjacent runs (geometric mean of their ratios), beside every run's
-            # tokens/s: the fastest-run figure above is robust to noise, which only adds time, and this one to
-            # the machine's slow drift, which moves both runs of a pair alike.
-            "speedup_paired": _paired(pairs, "histospec", "off"),
-            "runs_tok_s": {"plain": [round(r["off"], 1) for r in pairs], "spec": [round(r["histospec"], 1) for r in pairs]},
-            "accept_rate": round(accepted / max(drafted, 1), 3),
-            "mean_accepted_len": round(accepted / max(verify_steps, 1), 2),
-            "tokens_per_forward": round(tokens_spec / max(sum(x.seq_steps for x in ss), 1), 3),
-            "forwards_plain": sum(x.forward_passes for x in ps), "forwards_spec": sum(x.forward_passes for x in ss),
-            "drafted": drafted, "accepted": accepted,
-            "accepted_by_source": {k: sum(x.accepted_by_source[k] for x in sp) for k in sp[0].accepted_by_source},
-            "draft_time_share": round(sum(x.draft_s for x in sp) / max(sum(x.busy_s for x in ss), 1e-9), 3),
-            # Where the steps' time went: the model's forwards, and the rest (scheduling, drafting, sampling,
-            # the tree walk, the commit), in ms per forward.
-            "plain_ms_per_forward": _ms_per_forward(ps, "forward"), "spec_ms_per_forward": _ms_per_forward(ss, "forward"),
-            "plain_other_ms_per_step": _ms_per_forward(ps, "other"), "spec_other_ms_per_step": _ms_per_forward(ss, "other"),
-            f"identity_rate_{dtype}": round(identity(plain_all, spec_all), 3),  # of the timed runs
-        }
-        if reward_aware:
-            ra, ra_sp = [r["reward_aware"][2][0] for r in runs], [r["reward_aware"][2][1] for r in runs]
-            ra_drafted, ra_accepted = sum(x.drafted for x in ra_sp), sum(x.accepted for x in ra_sp)
-            ra_tokens, ra_s = sum(x.generated_tokens for x in ra), sum(r["reward_aware"][1] for r in runs)
-            row["reward_aware"] = {
-                "tok_s": round(ra_tokens / ra_s, 1), "speedup": _speedup(ra_tokens, ra_s, tokens_plain, plain_s),
-                "vs_histospec_paired": _paired(pairs, "reward_aware", "histospec"),
-                "runs_tok_s": [round(r["reward_aware"], 1) for r in pairs],
-                "accept_rate": round(ra_accepted / max(ra_drafted, 1), 3), "drafted": ra_drafted,
-                "accepted": ra_accepted,
-                "tokens_per_forward": round(ra_tokens / max(sum(x.seq_steps for x in ra), 1), 3),
-                "identity_vs_plain": round(identity(plain_all, [o for r in runs for o in r["reward_aware"][0]]), 3)}
-        if epoch_seeds > 1:
-            row["speedup_by_seed"] = [_speedup(spec_st.generated_tokens, r["histospec"][1], plain_st.generated_tokens, r["off"][1])
-                                      for r, spec_st, plain_st in zip(runs, ss, ps)]
-        # The long tail (first epoch seed): the TAIL longest requests of the plain run, alone in TAIL slots,
-        # plain vs HistoSpec.
-        # In bf16 the two runs of those requests diverge (a 1-token and a many-token forward round
-        # differently), so they generate different lengths and the bf16 figure compares different work;
-        # in fp32 they generate the same tokens (checked), so the fp32 figure is like for like.
-        plain = runs[0]["off"][0]
+        return runs, pairs
+
+    def tails(self, temp: float, history: HistoryStore, plain: list, params: SamplingParams) -> dict:
+        """The long tail (first epoch seed): the TAIL longest requests of the plain run, alone in TAIL slots,
+        plain vs HistoSpec. In bf16 the two runs of those requests diverge (a 1-token and a many-token forward
+        round differently), so they generate different lengths and the bf16 figure compares different work;
+        in fp32 they generate the same tokens (checked), so the fp32 figure is like for like. Then the fp32
+        identity check on a subset of the prompts."""
+        cfg, n = self.cfg, self.cfg.num_generations
         longest = sorted(range(len(plain)), key=lambda k: -len(plain[k].token_ids))[:TAIL]
-        tail_prompts = [prompts[k // num_generations] for k in longest]
-        tail_ids = [f"{k // num_generations}-{k % num_generations}" for k in longest]
-        progress.stage(f"T={temp}: the tail ({len(longest)} longest requests), plain vs HistoSpec x {repeats}")
-        row.update(_tail(lambda mode: make(model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, epoch2[0], "",
-                         repeats))
-        if fp32 is not None:
-            if fp32 is not model:
-                progress.stage(f"T={temp}: the tail in fp32, plain vs HistoSpec x {repeats}")
-                row.update(_tail(lambda mode: make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids,
-                                 epoch2[0], "_fp32", repeats))
-            progress.stage(f"T={temp}: identity check (fp32, {min(identity_prompts, len(prompts))} prompts x 2)")
-            sub = prompts[:identity_prompts]
-            p32 = SamplingParams(temperature=temp, max_tokens=identity_max_tokens, seed=seed + 2000)
-            a, _ = rollout(make(fp32, "off", n_slots=8, length=identity_len), sub, 2, p32)
-            b, _ = rollout(make(fp32, "histospec", history, n_slots=8, length=identity_len), sub, 2, p32)
-            row["identity_rate"] = round(identity(a, b), 3)
-            row["identity_n"] = len(a)
-        results[str(temp)] = row
+        tail_prompts = [self.prompts[k // n] for k in longest]
+        tail_ids = [f"{k // n}-{k % n}" for k in longest]
+        self.progress.stage(f"T={temp}: the tail ({len(longest)} longest requests), plain vs HistoSpec x {cfg.repeats}")
+        out = _tail(lambda mode: self.make(self.model, mode, history, n_slots=TAIL), tail_prompts, tail_ids, params,
+                    "", cfg.repeats)
+        fp32 = self.fp32
+        if fp32 is None:
+            return out
+        if fp32 is not self.model:
+            self.progress.stage(f"T={temp}: the tail in fp32, plain vs HistoSpec x {cfg.repeats}")
+            out.update(_tail(lambda mode: self.make(fp32, mode, history, n_slots=TAIL), tail_prompts, tail_ids,
+                             params, "_fp32", cfg.repeats))
+        self.progress.stage(f"T={temp}: identity check (fp32, {min(cfg.identity_prompts, len(self.prompts))} "
+                            f"prompts x 2)")
+        sub = self.prompts[:cfg.identity_prompts]
+        p32 = SamplingParams(temperature=temp, max_tokens=cfg.identity_max_tokens, seed=cfg.seed + 2000)
+        a, _ = rollout(self.make(fp32, "off", n_slots=8, length=self.identity_len), sub, 2, p32)
+        b, _ = rollout(self.make(fp32, "histospec", history, n_slots=8, length=self.identity_len), sub, 2, p32)
+        out["identity_rate"] = round(identity(a, b), 3)
+        out["identity_n"] = len(a)
+        return out
+
+
+def run(cfg: SpecBenchConfig) -> dict:
+    """The bench (see the module doc): its summary, the figures per temperature."""
+    bench = _SpecBench(cfg)
+    ceiling = bench.measure()
+    results, started = {}, time.perf_counter()
+    for temp in cfg.temperatures:
+        row = results[str(temp)] = bench.temperature(temp)
         # The whole bench takes minutes per temperature: say where it is (stderr; stdout is the table and
         # the JSON line).
         print(f"[bench spec] T={temp}: plain {row['plain_tok_s']} tok/s, HistoSpec {row['spec_tok_s']} tok/s "
               f"({row['speedup']}x), tail {row['tail_speedup']}x, identity fp32 {row.get('identity_rate', '-')} "
               f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
-    progress.done()
-    return {"model": model_name, "dtype": dtype, **device_fields(device),
-            "slots": slots, "num_prompts": len(prompts), "num_generations": num_generations,
-            "max_tokens": max_tokens, "draft_rule": draft_rule, "max_draft_tokens": max_draft_tokens, "reward_aware_drafting": reward_aware,
-            "repeats": repeats,
-            "epoch_seeds": epoch_seeds, "ceiling": ceiling,
-            "data": f"history-from:{history_from}" if history_from else (f"builtin:{data or 'arithmetic'}" if data is None or data in BUILTIN_TASKS else data),
+    bench.progress.done()
+    data = cfg.data
+    return {"model": bench.model_name, "dtype": bench.dtype, **device_fields(bench.device),
+            "slots": cfg.slots, "num_prompts": len(bench.prompts), "num_generations": cfg.num_generations,
+            "max_tokens": cfg.max_tokens, "draft_rule": cfg.draft_rule, "max_draft_tokens": bench.max_draft_tokens,
+            "reward_aware_drafting": cfg.reward_aware, "repeats": cfg.repeats,
+            "epoch_seeds": cfg.epoch_seeds, "ceiling": ceiling,
+            "data": f"history-from:{cfg.history_from}" if cfg.history_from else (
+                f"builtin:{data or 'arithmetic'}" if data is None or data in BUILTIN_TASKS else data),
             "temperatures": results}
 
 

@@ -41,10 +41,10 @@ def cmd_bench_spec(args) -> int:
     temperatures = number_list(args.temperatures, "--temperatures", float, least=0)
     check_dtype(args.dtype)
     setup(args)
-    summary = spec_bench.run(args.model, args.dtype, temperatures, args.num_prompts, args.num_generations, args.slots,
-                             args.max_tokens, args.data, args.identity_prompts, args.identity_max_tokens, args.seed,
-                             args.draft_rule, args.max_draft_tokens, args.history_from, args.repeats,
-                             args.epoch_seeds, args.device, reward_aware=args.reward_aware)
+    summary = spec_bench.run(spec_bench.SpecBenchConfig(
+        args.model, args.dtype, tuple(temperatures), args.num_prompts, args.num_generations, args.slots,
+        args.max_tokens, args.data, args.identity_prompts, args.identity_max_tokens, args.seed, args.draft_rule,
+        args.max_draft_tokens, args.history_from, args.repeats, args.epoch_seeds, args.device, args.reward_aware))
     return _report(spec_bench, summary)
 
 
