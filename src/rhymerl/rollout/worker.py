@@ -17,7 +17,7 @@ from rhymerl.engine.sequence import Continuation, RequestOutput, Status
 from rhymerl.histopipe.plan import ADMISSION_ORDERS, admission_order
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histospec.speculator import SPECULATIVE_MODES, Speculator
-from rhymerl.history import HistoryStore, prompt_key
+from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
@@ -81,7 +81,10 @@ class RolloutWorker:
         self._handover_lock = threading.Lock()
         self._handover: _HandoverRequest | None = None
         self._generating = False
-        self._predicted: dict[str, float] = {}  # prompt key -> predicted length, for the running call
+        # The running call's length predictor, built on first use (the admission order, a hand-over) from the
+        # call's prompts: once a call at most, and never for a call that needs none (fifo, no hand-over).
+        self._call_prompts: list[list[int]] = []
+        self._predictor: LengthPredictor | None = None
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
         """The order the groups enter the engine's queue (`WorkerConfig.admission`; `step`, the training step
@@ -89,11 +92,17 @@ class RolloutWorker:
         siblings share their prompt's prefill."""
         if self.config.admission == "fifo":
             return list(groups)
-        predicted = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups]).predict_many(
-            [g.prompt_ids for g in groups])
+        predicted = [self._predict(g.prompt_ids) for g in groups]
         if self.config.admission == "alternate" and step is not None and step % 2 == 1:
             predicted = [-p for p in predicted]  # shortest first (ties still in arrival order)
         return admission_order(list(groups), predicted)
+
+    def _predict(self, prompt_ids: list[int]) -> float:
+        """The predicted response length of a request of this prompt (one of the running call's), from the
+        history replica (`LengthPredictor`, over the call's prompts)."""
+        if self._predictor is None:
+            self._predictor = LengthPredictor.from_history(self.history, self._call_prompts)
+        return self._predictor.predict(prompt_ids)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
@@ -125,6 +134,8 @@ class RolloutWorker:
                                     f"the rollout asks for version {weights_version}")
         stats = WorkerStats(self.worker_id, started=time.time())
         stats.history_prompts_replaced = self.history.merge(history)
+        self._call_prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in continuations]
+        self._predictor = None
         self.engine.take_stats()  # this call's counters start here
         order = self.admission_order(groups, step)
         prompts = [g.prompt_ids for g in order for _ in g.request_ids]
@@ -169,9 +180,6 @@ class RolloutWorker:
         """`engine.generate`, serving `hand_over` between its steps."""
         if not prompts and not continuations:
             return []
-        keys = {prompt_key(p) for p in prompts} | {prompt_key(c.prompt_ids) for c in continuations}
-        predictor = LengthPredictor.from_history(self.history, list(keys))
-        self._predicted = {k: predictor.predict(k) for k in keys}
         with self._handover_lock:
             self._generating = True
         try:
@@ -194,7 +202,7 @@ class RolloutWorker:
             n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
             waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
             running = sorted((q for q in unfinished if q.status != Status.WAITING),
-                             key=lambda q: self._predicted.get(prompt_key(q.prompt_ids), 0.0) - len(q.output_ids))
+                             key=lambda q: self._predict(q.prompt_ids) - len(q.output_ids))
             request.taken = [self.engine.extract(q.request_id) for q in (waiting + running)[:max(n, 0)]]
         finally:
             request.done.set()
