@@ -75,6 +75,27 @@ def test_weights_are_versioned_and_a_stale_worker_refuses(policy):
         pool.worker.rollout(groups(prompts), PARAMS, {"format": "rhymerl.history/1", "prompts": []}, weights_version=2)
 
 
+def test_weights_load_in_place_and_the_pool_needs_the_plain_policy(policy):
+    """The contracts at the weight copy (`RolloutWorker.load_weights`): the parameters keep their memory (CUDA
+    graphs read it) and their version counters move (the CPU backends' weight copies notice updates by them);
+    and the pool is made from the policy before LoRA adapters are added (`make_pool` refuses it after)."""
+    import copy
+
+    from rhymerl.rl.lora import add_lora
+    from rhymerl.rollout.factory import make_pool as make_rollout_pool
+
+    pool = make_pool(policy)
+    params = dict(pool.worker.model.named_parameters())
+    before = {name: (p.data_ptr(), p._version) for name, p in params.items()}
+    pool.load_weights({name: p.detach() * 0.5 for name, p in policy.named_parameters()}, version=1)
+    for name, p in params.items():
+        assert p.data_ptr() == before[name][0] and p._version > before[name][1], name
+    adapted = add_lora(copy.deepcopy(policy), 2, 4, 0.0)
+    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+    with pytest.raises(ValueError, match="before add_lora"):
+        make_rollout_pool("local", 1, "", adapted, None, "", config, HistoryStore())
+
+
 def test_longest_first_admission_changes_the_order_not_the_tokens(policy):
     """HistoPipe inside one worker: groups enter the queue longest predicted first (from the history), and
     keyed randomness gives every request the same tokens as in arrival order; outputs come back in the order

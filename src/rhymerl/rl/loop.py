@@ -96,7 +96,7 @@ class TrainingRun:
                               cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
                               worker_timeout_s=cfg.rollout.worker_timeout_s, schedule=cfg.rollout.schedule,
                               migration=cfg.rollout.migration)
-        if lora:
+        if lora:  # after make_pool, which copies the plain Decoder (it refuses one with adapters)
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
         # ---- data, trainer, rewards ----
         self.train_prompts, self.val_prompts, self.data_notes = load_prompts(cfg, self.tokenizer, cfg.run.seed)

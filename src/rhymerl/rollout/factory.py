@@ -26,7 +26,15 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
     actor that dies, a local worker whose rollout raises) are restarted up to `max_worker_restarts` times;
     `worker_timeout_s` > 0 makes an unanswering Ray worker a failure.
     `schedule` (`rollout.schedule`) splits each call's groups among the Ray workers and `migration`
-    (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split."""
+    (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split.
+
+    `policy` must be the plain Decoder, before LoRA adapters are added to it (the loop calls this before
+    `add_lora`): each worker copies its modules and parameter names, and `load_weights` later sends it
+    `merged_parameters`, under those plain names. ValueError for a policy with adapters."""
+    adapted = next((n for n, _ in policy.named_parameters() if "lora_" in n or "base_layer" in n), None)
+    if adapted is not None:
+        raise ValueError(f"make_pool needs the plain policy, before add_lora: it has the LoRA parameter {adapted!r} "
+                         f"(the rollout workers copy the policy's modules and take merged weights by plain names)")
     if backend == "local":
         if num_workers != 1:
             raise ValueError(f"rollout.backend=local runs one in-process worker, got rollout.num_workers="

@@ -106,7 +106,11 @@ class RolloutWorker:
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
-        dtype. The engine's weight copies (prepacked, tiles) notice the new versions and remake themselves."""
+        dtype. In place (`copy_`), and it must stay so: the engine's CUDA graphs read the parameters' memory
+        (a new tensor would leave them reading the old weights), and the CPU backends' weight copies
+        (prepacked, tiles: `cpu_weights.ModelWeights.copy`) notice an update only by the parameter's
+        `data_ptr` and torch's version counter, which every in-place op bumps (tests/rollout/test_local_pool.py
+        checks both)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(params[name])

@@ -11,7 +11,10 @@
 The copies live outside the model (the decoder stays a plain nn.Module), one `ModelWeights` per decoder,
 shared by every backend built on it. Each copy remembers the (data_ptr, version) of the weight it was made
 from and is remade on first use after the weight changed (an optimizer step or a weight sync bumps the
-version), so a copy is never stale.
+version), so a copy is never stale. This relies on torch's private `Tensor._version`, the counter every
+in-place op bumps (`copy_` and the optimizers' updates included): a weight changed without an in-place op
+on the parameter (writing through a numpy view of it, say) or swapped for an equal-version tensor at the
+same address would go unnoticed. `RolloutWorker.load_weights` updates in place for this reason.
 """
 
 from __future__ import annotations

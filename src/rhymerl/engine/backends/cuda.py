@@ -134,7 +134,9 @@ class CudaBackend(EagerBackend):
     def _capture(self, bucket: _Graph) -> None:
         """Warm the step up on a side stream (cuBLAS and the allocator set themselves up on first use, which a
         capture must not contain), capture it, replay it. The warm-up and the replay compute this same loaded
-        step, so the keys/values they write are the step's own: nothing is clobbered."""
+        step, so the keys/values they write are the step's own: nothing is clobbered. The graph reads the
+        model's parameters at the addresses they have now: a weight update must copy into them in place
+        (`RolloutWorker.load_weights` does), never replace them."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
