@@ -199,7 +199,7 @@ class TrainSection(_Section):
                                  "machine: 4 where the update runs in bf16, 2 in fp32", check=">= 0")
     # 16: fewer, larger matmuls per update than 8, chosen from one-off timings of `PolicyTrainer.update` on
     # the 2-core CPU; no bench command times the update alone, so no figure is claimed for it
-    micro_batch_size: int = _opt(16, "sequences per forward/backward", check=">= 1")
+    micro_batch_size: int = _opt(16, "sequences per forward/backward on each rank of the update", check=">= 1")
     learning_rate: float = _opt(2e-5, "peak learning rate", check="> 0")
     lr_scheduler: str = _opt("constant", "learning-rate schedule after warmup", LR_SCHEDULERS)
     warmup_steps: int = _opt(0, "linear warmup steps", check=">= 0")
@@ -232,6 +232,12 @@ class TrainSection(_Section):
     max_num_gen_batches: int = _opt(10, "filter_groups: most rollouts of prompts_per_step prompts per step (verl's "
                                     "max_num_gen_batches); past it the step trains on the groups it has "
                                     "(0 = no limit)", check=">= 0")
+    # The update past one process (rl/ranks.py); the driver, rollout pool and history stay in the driver.
+    world_size: int = _opt(1, "ranks of the update (torch.distributed: gloo on a CPU, NCCL on CUDA); > 1 starts "
+                           "them as processes of this machine, micro-batches split among them", check=">= 1")
+    strategy: str = _opt("fsdp", "world_size > 1: fsdp = FSDP2 fully_shard per decoder layer (weights, gradients "
+                         "and AdamW state sharded), ddp = a full replica per rank, gradients all-reduced",
+                         ("fsdp", "ddp"))
 
     def _rules(self) -> list[tuple]:
         return [("epsilon_high", self.epsilon_high == 0 or self.epsilon_high >= self.epsilon,
