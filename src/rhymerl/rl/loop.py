@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rhymerl.config import TrainConfig, config_to_dict, load_config, save_config
+from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config, save_config
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.trace import TraceWriter
 from rhymerl.history import HistoryStore, prompt_key
@@ -62,6 +62,9 @@ class TrainingRun:
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
 
     def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None):
+        if cfg.train.world_size > 1 and cfg.model.lora_r > 0:
+            raise ConfigError("model.lora_r > 0 with train.world_size > 1: LoRA runs in one process for now "
+                              "(set train.world_size=1)")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         setup_process(cfg.run.seed, device)
         self.run_dir = Path(resume_dir or cfg.run.output_dir or
@@ -103,9 +106,15 @@ class TrainingRun:
         # one_step_off trains on samples of the weights one update older: truncated importance sampling
         # corrects for that stale behaviour policy; in sync mode there is none to correct (see rl/trainer.py)
         one_step_off = cfg.rollout.mode == "one_step_off"
-        self.trainer = PolicyTrainer(self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
-                                     self.ref_model, dtype=self.dtypes["train"],
-                                     tis_imp_ratio_cap=cfg.train.tis_imp_ratio_cap if one_step_off else 0.0)
+        trainer_args = (self.model, cfg.train, cfg.rollout.temperature, cfg.rollout.max_completion_length,
+                        self.ref_model)
+        trainer_kw = {"dtype": self.dtypes["train"],
+                      "tis_imp_ratio_cap": cfg.train.tis_imp_ratio_cap if one_step_off else 0.0}
+        if cfg.train.world_size > 1:  # ranks in processes of their own; self.model is then their mirror
+            from rhymerl.rl.ranks import RankGroup  # torch.distributed's imports, only when ranks are asked for
+            self.trainer = RankGroup(*trainer_args, **trainer_kw, seed=cfg.run.seed)
+        else:
+            self.trainer = PolicyTrainer(*trainer_args, **trainer_kw)
         # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray)
         self.ahead = BackgroundRollout(one_step_off, cfg.train.total_steps, cfg.run.save_every)
         self.scorer = RewardScorer.from_config(cfg.reward, cfg.rollout.max_completion_length)
@@ -304,6 +313,7 @@ class TrainingRun:
                                 accept=f"{m.get('rollout/spec_accept_rate', 0):.2f}")
         finally:
             self.ahead.close()  # a failed step may leave the next one's rollout running
+            self.trainer.close()  # several ranks: stop their processes
             self.scorer.close()
             bar.close()
             self.logger.close()

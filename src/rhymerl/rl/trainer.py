@@ -21,11 +21,17 @@ min(exp(old - rollout log-prob), cap), verl's truncated importance sampling (`rl
 the stale behaviour policy. In sync mode the two differ only by rollout numerics (dtype, speculation's
 verification shapes), and weighting by that gap would tie training to speculation, so the loop passes 0 (off).
 With recompute_logprobs=false the old log-probs are the rollout's and every weight is exactly 1.
+
+Inside one rank of a multi-rank update (`sharding`, `rl/sharding.py`) the same code runs on that rank's share
+of the micro-batches, the gradients and metric sums reduced across ranks, so that the update equals the
+single-process one.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -35,6 +41,9 @@ from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.rl.logprobs import Sample, logprob_temperature, padded, token_logprobs
 from rhymerl.rl.losses import policy_loss, tis_weights
+
+if TYPE_CHECKING:  # only ranks of a multi-rank update (rl/ranks.py) pass one; torch.distributed's imports are long
+    from rhymerl.rl.sharding import Sharding
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
@@ -56,14 +65,17 @@ class PolicyTrainer:
     """Owns the optimizer and schedule of `model` (fp32 master weights; bf16 autocast if configured)."""
 
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
-                 ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0):
+                 ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0,
+                 sharding: Sharding | None = None):
         """`dtype`: what the update computes in, resolved ("bf16" = bf16 autocast, "fp32"); by default
         `cfg.dtype` as `resolve_dtype` decides it for the model's device. `tis_imp_ratio_cap` > 0: truncated
-        importance sampling against the rollout's log-probs (see the module doc); <= 0: off."""
+        importance sampling against the rollout's log-probs (see the module doc); <= 0: off. `sharding`: this
+        process is one rank of several, `model` and `ref_model` already wrapped by it (None: the only one)."""
         if cfg.beta > 0 and ref_model is None:
             raise ValueError("train.beta > 0 needs a reference model")
         self.model, self.cfg, self.ref_model = model, cfg, ref_model
         self.tis_cap = tis_imp_ratio_cap
+        self.sharding = sharding
         # The engine reports log-probs of logits / temperature (greedy: temperature 1); so does the trainer.
         self.temperature = logprob_temperature(temperature)
         self.max_completion_length = max_completion_length
@@ -122,14 +134,20 @@ class PolicyTrainer:
         # id(sample) -> old log-probs [T_s]; filled by the first iteration when the trainer's own are used
         old = {} if cfg.recompute_logprobs else {id(s): torch.tensor(s.logprobs) for s in samples}
         self.model.train()
+        batches = self._micro_batches(trained)
+        # (micro-batch, live): this rank's share, padded with zero-weighted ones (see rl/sharding.py)
+        plan = self.sharding.share(batches) if self.sharding else [(mb, True) for mb in batches]
         for it in range(cfg.num_iterations):
-            for mb in self._micro_batches(trained):
-                self._micro_step(mb, old, it, total_tokens, total_seqs, acc)
+            for i, (mb, live) in enumerate(plan):
+                with self._grad_sync(last=i == len(plan) - 1):
+                    self._micro_step(mb, old, it, total_tokens, total_seqs, acc, live)
             if trained:
                 grad_norm = self._clip()
             self.optimizer.step()  # without gradients (nothing trained) AdamW leaves every parameter alone
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()  # once per optimizer step, trained or not, so the schedule follows the step
+        if self.sharding:
+            acc = self.sharding.reduce(acc)
         # All means below are pooled over tokens (sums / counts), one row per rollout step; TRL averages its
         # micro-batches' means instead, the same figure when micro-batches hold equal numbers of tokens.
         n = max(acc["tok"], 1)  # (token, iteration) pairs of the trained sequences
@@ -171,8 +189,11 @@ class PolicyTrainer:
             metrics["actor/tis_clipfrac"] = acc["tis_truncated"] / n0  # tokens whose weight was cut to the cap
         return metrics
 
+    def _grad_sync(self, last: bool):
+        return self.sharding.grad_sync(self.model, last) if self.sharding else nullcontext()
+
     def _micro_step(self, mb: list[Sample], old: dict, iteration: int, total_tokens: int, total_seqs: int,
-                    acc: dict) -> None:
+                    acc: dict, live: bool = True) -> None:
         cfg = self.cfg
         first = iteration == 0
         logp, mask, ent = token_logprobs(self.model, mb, self.temperature, self.autocast, with_entropy=True)
@@ -196,7 +217,10 @@ class PolicyTrainer:
         # From this micro-batch's normaliser to the whole batch's (see the module docstring).
         tokens = int(mask.sum().item())
         scale = tokens / total_tokens if cfg.loss_type in ("dapo", "bnpo") else len(mb) / total_seqs
-        (loss * scale).backward()
+        if not live:  # a rank's padding: joins the collectives, adds nothing (rl/sharding.py)
+            (loss * 0.0).backward()
+            return
+        (loss * (scale * self.sharding.loss_factor) if self.sharding else loss * scale).backward()
         acc["loss"] += loss.item() * scale
         # Every iteration: token-weighted sums (stats are this micro-batch's means over its tokens).
         acc["tok"] += tokens
@@ -218,14 +242,28 @@ class PolicyTrainer:
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.cfg.max_grad_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        if self.cfg.max_grad_norm > 0:  # over the full gradient: FSDP's norm sums the shards' squares
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            return self.sharding.norm(norm) if self.sharding else float(norm)
+        if self.sharding:
+            grads = [p.grad for p in params if p.grad is not None]
+            return self.sharding.norm(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         grads = [p.grad.norm() for p in params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and schedule in one process's layout (with several ranks: the full state, on rank 0)."""
+        optimizer = (self.sharding.optimizer_state(self.model, self.optimizer) if self.sharding
+                     else self.optimizer.state_dict())
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def close(self) -> None:
+        """Nothing to release (`RankGroup.close`, its multi-rank counterpart, stops its ranks)."""
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """`state_dict`'s, saved at any world size."""
+        if self.sharding:
+            self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,220 @@
+"""The update on several ranks (`train.world_size` > 1): `RankGroup`, what the driver holds in place of a
+`PolicyTrainer`, and `_rank_main`, each rank's process.
+
+The driver keeps the rollout pool, the history and its own copy of the policy (the mirror: what the pool
+loads and checkpoints save). `RankGroup` starts N processes of this machine (spawned; gloo on a CPU, NCCL
+on CUDA, one GPU per rank) that build the policy from the mirror, wrap it (`rl/sharding.py`) and each run a
+`PolicyTrainer` on its share of every batch. Per step the driver sends each rank the whole batch; after the
+optimizer step the ranks gather the full weights once and rank 0 writes them into the mirror (shared
+memory), so the loop's weight sync and checkpoints read the mirror as they read the single-process model.
+
+A rank that dies (killed, out of memory) leaves the others blocked in a collective: the driver, which polls
+the ranks while it waits, stops them all and raises `RankFailure` naming the rank; the checkpoint the
+run last wrote stays as it was (the driver writes checkpoints, after the ranks answered).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from rhymerl.config import TrainSection
+from rhymerl.errors import UserError
+from rhymerl.model.decoder import Decoder
+from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
+from rhymerl.rl.logprobs import Sample
+from rhymerl.rl.sharding import Sharding, process_group
+from rhymerl.rl.trainer import PolicyTrainer
+
+_POLL_S = 0.5  # how often the driver looks for a dead rank while it waits
+
+
+class RankFailure(UserError):
+    """A rank of the update died or failed: the run stops (the message names it and says how to go on)."""
+
+
+@dataclass
+class _RankSpec:
+    """What a rank builds itself from (picklable: the tensors travel as shared memory)."""
+
+    world_size: int
+    strategy: str
+    port: int
+    seed: int
+    model_cfg: object
+    mirror: dict[str, torch.Tensor]  # the driver's policy weights, shared memory: read at start, written after steps
+    ref: dict[str, torch.Tensor] | None
+    train: TrainSection
+    trainer_kw: dict
+    threads: int
+
+
+class RankGroup:
+    """`PolicyTrainer`'s interface (`update`, `state_dict`, `load_state_dict`) over `world_size` rank processes.
+    After `update` returns, `model` (the driver's copy) holds the new weights. Call `close` when done."""
+
+    def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
+                 ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0,
+                 seed: int = 0):
+        self.model = model
+        # shared memory the ranks start from and rank 0 writes each step's weights into: the model's own
+        # tensors on a CPU (no copy), else a CPU copy that `update` loads into the model
+        self._mirror = _shared(model)
+        ref = _shared(ref_model) if ref_model is not None else None
+        cuda = torch.cuda.is_available()
+        if cuda and torch.cuda.device_count() < cfg.world_size:
+            raise UserError(f"train.world_size={cfg.world_size}: this machine has {torch.cuda.device_count()} GPUs")
+        threads = max(1, len(os.sched_getaffinity(0)) // cfg.world_size)  # the ranks share this machine's cores
+        spec = _RankSpec(cfg.world_size, cfg.strategy, _free_port(), seed, model.cfg, self._mirror, ref, cfg,
+                         {"temperature": temperature, "max_completion_length": max_completion_length,
+                          "dtype": dtype, "tis_imp_ratio_cap": tis_imp_ratio_cap}, threads)
+        ctx = mp.get_context("spawn")
+        self._inboxes = [ctx.Queue() for _ in range(cfg.world_size)]
+        self._outbox = ctx.Queue()
+        self._procs = [ctx.Process(target=_rank_main, args=(r, spec, self._inboxes[r], self._outbox),
+                                   name=f"rhymerl-rank{r}", daemon=True) for r in range(cfg.world_size)]
+        for p in self._procs:
+            p.start()
+        self._call("ready")
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """One `PolicyTrainer.update` over the ranks; returns rank 0's metrics (reduced over ranks)."""
+        metrics = self._call("update", samples)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p.data_ptr() != self._mirror[name].data_ptr():  # a model off the CPU (else: written already)
+                    p.copy_(self._mirror[name])
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._call("load_state_dict", state)
+
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _call(self, command: str, payload=None):
+        """Send `command` to every rank and wait for all of them; rank 0's answer."""
+        for box in self._inboxes:
+            box.put((command, payload))
+        answers = {}
+        while len(answers) < len(self._procs):
+            try:
+                rank, ok, value = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [(r, p) for r, p in enumerate(self._procs) if p.exitcode is not None]
+                if dead:
+                    self._fail(f"rank {dead[0][0]} of the update (pid {dead[0][1].pid}) died ("
+                               f"{_exit_reason(dead[0][1].exitcode)}) during '{command}'")
+                continue
+            if not ok:
+                self._fail(f"rank {rank} of the update failed during '{command}': {value}")
+            answers[rank] = value
+        return answers[0]
+
+    def _fail(self, what: str):
+        self.close()
+        raise RankFailure(f"{what}; the run stopped, its last checkpoint is intact: continue it with "
+                          f"`rhymerl train --resume RUN_DIR`")
+
+    def close(self) -> None:
+        """Stop the ranks (politely when they are idle; a rank stuck in a collective is killed)."""
+        for p, box in zip(self._procs, self._inboxes):
+            if p.exitcode is None:
+                box.put(("stop", None))
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.exitcode is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
+        self._procs = [p for p in self._procs if p.exitcode is None]
+
+    def __del__(self):
+        if getattr(self, "_procs", None):
+            self.close()
+
+
+def _shared(model: Decoder) -> dict[str, torch.Tensor]:
+    """The model's parameters by name in shared memory: its own on a CPU (moved there in place), else copies."""
+    if all(p.device.type == "cpu" for p in model.parameters()):
+        model.share_memory()
+        return {n: p.data for n, p in model.named_parameters()}
+    return {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in model.named_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_reason(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _rank_main(rank: int, spec: _RankSpec, inbox, outbox) -> None:
+    """One rank: build the wrapped policy and its trainer, then answer the driver's commands until 'stop'."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(spec.threads)
+    setup_process(spec.seed, device.type)
+    with process_group("nccl" if cuda else "gloo", rank, spec.world_size, spec.port):
+        try:
+            sharding = Sharding(spec.strategy, rank, spec.world_size, device)
+            model = _from_weights(spec.model_cfg, spec.mirror, device).train()
+            ref = _from_weights(spec.model_cfg, spec.ref, device).eval().requires_grad_(False) if spec.ref else None
+            model, ref = sharding.wrap(model, ref)
+            trainer = PolicyTrainer(model, spec.train, ref_model=ref, sharding=sharding, **spec.trainer_kw)
+        except Exception:
+            outbox.put((rank, False, traceback.format_exc(limit=4).strip().splitlines()[-1]))
+            return
+        while True:
+            command, payload = inbox.get()
+            if command == "stop":
+                return
+            try:
+                outbox.put((rank, True, _answer(command, payload, trainer, sharding, spec.mirror, rank)))
+            except Exception:
+                outbox.put((rank, False, traceback.format_exc().strip().splitlines()[-1]))
+                return
+
+
+def _answer(command: str, payload, trainer, sharding, mirror: dict, rank: int):
+    if command == "ready":
+        return None
+    if command == "update":
+        with deterministic_algorithms():
+            metrics = trainer.update(payload)
+        full = sharding.full_params(trainer.model)  # every rank joins the all-gathers; rank 0 holds the result
+        with torch.no_grad():
+            for name, value in full.items():
+                mirror[name].copy_(value)
+        release_freed_memory()
+        return metrics
+    if command == "state_dict":
+        state = trainer.state_dict()
+        return state if rank == 0 else None
+    if command == "load_state_dict":
+        trainer.load_state_dict(payload)
+        return None
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _from_weights(cfg, weights: dict[str, torch.Tensor], device: torch.device) -> Decoder:
+    model = Decoder(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    return model.to(device)
