@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from rhymerl.rl.sharding import Sharding, process_group
 from rhymerl.rl.trainer import PolicyTrainer
 
 _POLL_S = 0.5  # how often the driver looks for a dead rank while it waits
+_GRACE_S = 2.0  # how long a rank's failure waits for a peer's death to show (the likelier cause)
 
 
 class RankFailure(UserError):
@@ -111,15 +113,23 @@ class RankGroup:
             try:
                 rank, ok, value = self._outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [(r, p) for r, p in enumerate(self._procs) if p.exitcode is not None]
-                if dead:
-                    self._fail(f"rank {dead[0][0]} of the update (pid {dead[0][1].pid}) died ("
-                               f"{_exit_reason(dead[0][1].exitcode)}) during '{command}'")
+                if self._died():
+                    self._fail(self._died(command))
                 continue
-            if not ok:
-                self._fail(f"rank {rank} of the update failed during '{command}': {value}")
+            if not ok:  # a peer's death surfaces in the survivors as a failed collective: name the dead one
+                deadline = time.monotonic() + _GRACE_S
+                while not self._died() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self._fail(self._died(command) or f"rank {rank} of the update failed during '{command}': {value}")
             answers[rank] = value
         return answers[0]
+
+    def _died(self, command: str = "") -> str:
+        """What happened to the first rank that exited on its own ('' while none has)."""
+        for r, p in enumerate(self._procs):
+            if p.exitcode not in (None, 0):
+                return f"rank {r} of the update (pid {p.pid}) died ({_exit_reason(p.exitcode)}) during '{command}'"
+        return ""
 
     def _fail(self, what: str):
         self.close()
