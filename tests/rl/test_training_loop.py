@@ -496,3 +496,20 @@ def test_dynamic_sampling_needs_sync_mode(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="train.filter_groups: needs rollout.mode=sync"):
         load_config(None, _overrides(tiny_dir, tmp_path, "train.filter_groups=true", "rollout.backend=ray",
                                      "rollout.mode=one_step_off"))
+
+
+def test_two_update_ranks_train_as_one_process_and_their_checkpoint_resumes_in_one(tiny_dir, tmp_path):
+    """train.world_size=2 (FSDP2 over gloo, ranks as processes): the loop learns what one process learns, and
+    its checkpoint, resumed with train.world_size=1, continues as the uninterrupted one-process run."""
+    common = ["val.every=0", "run.save_every=2", "train.max_grad_norm=0.1"]
+    one = _learned(read_metrics(TrainingRun(load_config(None, _overrides(
+        tiny_dir, tmp_path / "one", "train.total_steps=3", *common))).run()))
+    two = tmp_path / "two"
+    TrainingRun(load_config(None, _overrides(tiny_dir, two, "train.total_steps=2", "train.world_size=2",
+                                             *common))).run()
+    TrainingRun.resume(two, ["train.total_steps=3", "train.world_size=1"]).run()
+    rows = _learned(read_metrics(two))
+    assert [r["step"] for r in rows] == [r["step"] for r in one] == [0, 1, 2, 3]
+    assert sum(r.get("actor/trained_seqs", 0) for r in one) > 0
+    for a, b in zip(one, rows):  # reductions in another order: equal to 1e-5, not bit for bit
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-5)

@@ -93,6 +93,8 @@ class Sharding:
     def share(self, batches: list[list]) -> list[tuple[list, bool]]:
         """This rank's micro-batches as (micro-batch, live): batches[rank::N], padded with zero-weighted
         copies of batches[0] (live False) to as many as the busiest rank runs."""
+        if not batches:  # nothing trained this step (every advantage 0, no KL term)
+            return []
         mine = [(mb, True) for mb in batches[self.rank::self.world_size]]
         per_rank = -(-len(batches) // self.world_size)
         return mine + [(batches[0], False)] * (per_rank - len(mine))
