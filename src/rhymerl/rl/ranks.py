@@ -180,7 +180,22 @@ def _rank_main(rank: int, spec: _RankSpec, inbox, outbox) -> None:
     else:
         torch.set_num_threads(spec.threads)
     setup_process(spec.seed, device.type)
-    with process_group("nccl" if cuda else "gloo", rank, spec.world_size, spec.port):
+    code = 1
+    try:
+        _serve(rank, spec, device, inbox, outbox)
+        code = 0
+    except BaseException:  # e.g. the rendezvous failed: said to the driver, which stops the others
+        outbox.put((rank, False, traceback.format_exc().strip().splitlines()[-1]))
+    finally:
+        # Flushed, then out without the interpreter's teardown, which took seconds here after every
+        # rank had returned (the driver would wait for it, then kill)
+        outbox.close()
+        outbox.join_thread()
+        os._exit(code)
+
+
+def _serve(rank: int, spec: _RankSpec, device: torch.device, inbox, outbox) -> None:
+    with process_group("nccl" if device.type == "cuda" else "gloo", rank, spec.world_size, spec.port):
         try:
             sharding = Sharding(spec.strategy, rank, spec.world_size, device)
             model = _from_weights(spec.model_cfg, spec.mirror, device).train()
