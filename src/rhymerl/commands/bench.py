@@ -1,6 +1,7 @@
 """`rhymerl bench`: the benchmarks, each printing a table, then its summary as one JSON line: engine (our
 engine vs transformers generate), spec (HistoSpec vs plain decoding), pipe (HistoPipe schedules), matmul
-(AMX tiles vs oneDNN), e2e (seconds per GRPO step vs TRL) and workers (local vs Ray workers).
+(AMX tiles vs oneDNN), e2e (seconds per GRPO step vs TRL), workers (local vs Ray workers) and update (the
+policy update in one process vs 2 ranks).
 
 Each command checks its list and dtype options before anything loads (`options.number_list`,
 `options.check_dtype`); the benches check the rest of their input (`rhymerl.bench`).
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rhymerl.bench import e2e_bench, engine_bench, history_bench, matmul_bench, pipe_bench, spec_bench, workers_bench
+from rhymerl.bench import (e2e_bench, engine_bench, history_bench, matmul_bench, pipe_bench, spec_bench,
+                           update_bench, workers_bench)
 from rhymerl.commands.options import (DEVICE_HELP, MODEL_HELP, DefaultsHelp, check_dtype, number_list, positive_int,
                                       setup)
 from rhymerl.config import DRAFT_RULES
@@ -93,6 +95,18 @@ def cmd_bench_workers(args) -> int:
     """`bench workers`: seconds per GRPO step, local 1 worker vs Ray 1 and 2 workers."""
     return _report(workers_bench, workers_bench.run(args.overrides, args.steps, args.warmup, args.repeats, args.dtype,
                                                     args.out))
+
+
+def cmd_bench_update(args) -> int:
+    """`bench update`: seconds per update, one process vs 2 ranks (FSDP2, DDP), and the collectives' bytes."""
+    check_dtype(args.dtype)
+    setups = [s.strip() for s in args.setups.split(",")]
+    unknown = [s for s in setups if s not in update_bench.SETUPS]
+    if unknown:
+        raise UserError(f"--setups: unknown {unknown[0]!r}; expected some of {', '.join(update_bench.SETUPS)}")
+    return _report(update_bench, update_bench.run(args.model, args.dtype, args.prompts, args.generations,
+                                                  args.prompt_len, args.max_completion_length,
+                                                  args.micro_batch_size, args.steps, args.warmup, tuple(setups)))
 
 
 def add_parser(sub) -> None:
@@ -239,3 +253,20 @@ def add_parser(sub) -> None:
                     help="config override of the default job (repeatable), e.g. rollout.max_completion_length=32")
     bw.add_argument("--out", default=None, help="keep the runs' directories here (default: a temporary folder)")
     bw.set_defaults(func=cmd_bench_workers)
+    bu = bsub.add_parser("update", help="seconds per policy update: one process vs 2 ranks (train.world_size=2), "
+                                        "and the bytes of the collectives", formatter_class=DefaultsHelp)
+    bu.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    bu.add_argument("--dtype", default="fp32", help="train.dtype (auto | bf16 | fp32)")
+    bu.add_argument("--prompts", type=positive_int, default=2, help="prompts per batch (the default job's in fp32)")
+    bu.add_argument("--generations", type=positive_int, default=8, help="completions per prompt")
+    bu.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per (random) prompt")
+    bu.add_argument("--max-completion-length", type=positive_int, default=128,
+                    help="completions have between half and all of this many tokens")
+    bu.add_argument("--micro-batch-size", type=positive_int, default=8,
+                    help="sequences per forward/backward on each rank; 8: the default job's 16 sequences make 2 "
+                         "micro-batches, one a rank at 2 ranks (at 16 one rank would only pad)")
+    bu.add_argument("--steps", type=positive_int, default=3, help="timed updates per setup")
+    bu.add_argument("--warmup", type=int, default=1, help="untimed updates first")
+    bu.add_argument("--setups", default=",".join(update_bench.SETUPS), help="comma-separated, of: "
+                    + ", ".join(update_bench.SETUPS))
+    bu.set_defaults(func=cmd_bench_update)

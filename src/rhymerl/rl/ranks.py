@@ -31,7 +31,7 @@ from rhymerl.errors import UserError
 from rhymerl.model.decoder import Decoder
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.logprobs import Sample
-from rhymerl.rl.sharding import Sharding, process_group
+from rhymerl.rl.sharding import CommCounter, Sharding, process_group
 from rhymerl.rl.trainer import PolicyTrainer
 
 _POLL_S = 0.5  # how often the driver looks for a dead rank while it waits
@@ -56,6 +56,7 @@ class _RankSpec:
     train: TrainSection
     trainer_kw: dict
     threads: int
+    count_comm: bool  # `CommCounter` in every rank; each update's answer then carries rank 0's bytes
 
 
 class RankGroup:
@@ -64,7 +65,7 @@ class RankGroup:
 
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
                  ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, count_comm: bool = False):
         self.model = model
         # shared memory the ranks start from and rank 0 writes each step's weights into: the model's own
         # tensors on a CPU (no copy), else a CPU copy that `update` loads into the model
@@ -76,7 +77,7 @@ class RankGroup:
         threads = max(1, len(os.sched_getaffinity(0)) // cfg.world_size)  # the ranks share this machine's cores
         spec = _RankSpec(cfg.world_size, cfg.strategy, _free_port(), seed, model.cfg, self._mirror, ref, cfg,
                          {"temperature": temperature, "max_completion_length": max_completion_length,
-                          "dtype": dtype, "tis_imp_ratio_cap": tis_imp_ratio_cap}, threads)
+                          "dtype": dtype, "tis_imp_ratio_cap": tis_imp_ratio_cap}, threads, count_comm)
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(cfg.world_size)]
         self._outbox = ctx.Queue()
@@ -202,6 +203,9 @@ def _serve(rank: int, spec: _RankSpec, device: torch.device, inbox, outbox) -> N
             ref = _from_weights(spec.model_cfg, spec.ref, device).eval().requires_grad_(False) if spec.ref else None
             model, ref = sharding.wrap(model, ref)
             trainer = PolicyTrainer(model, spec.train, ref_model=ref, sharding=sharding, **spec.trainer_kw)
+            counter = CommCounter() if spec.count_comm else None
+            if counter:
+                counter.install(model)
         except Exception:
             outbox.put((rank, False, traceback.format_exc(limit=4).strip().splitlines()[-1]))
             return
@@ -210,7 +214,10 @@ def _serve(rank: int, spec: _RankSpec, device: torch.device, inbox, outbox) -> N
             if command == "stop":
                 return
             try:
-                outbox.put((rank, True, _answer(command, payload, trainer, sharding, spec.mirror, rank)))
+                answer = _answer(command, payload, trainer, sharding, spec.mirror, rank)
+                if counter and command == "update":  # the update's collectives, then the weights' gather
+                    answer = answer | {f"comm_bytes/{k}": v for k, v in counter.take().items()}
+                outbox.put((rank, True, answer))
             except Exception:
                 outbox.put((rank, False, traceback.format_exc().strip().splitlines()[-1]))
                 return

@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -155,6 +156,47 @@ class Sharding:
             "param_groups": [g | {"params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, optim_state_dict=by_name,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+class CommCounter:
+    """Bytes this rank hands to each collective of the update (what `rhymerl bench update` reports): FSDP's
+    all-gathers and reduce-scatters (torch.distributed's functions, wrapped in this process), DDP's bucket
+    all-reduces (routed through the wrapped `all_reduce` by torch's `allreduce_hook`, which does what DDP does
+    by default: divide by N, all-reduce) and the metric sums.
+    An all-gather counts its output, a reduce-scatter its input: the full tensor either way."""
+
+    _WRAPPED = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter", "all_reduce": "all_reduce"}
+
+    def __init__(self):
+        self.bytes = {kind: 0 for kind in self._WRAPPED.values()}
+
+    def install(self, model: nn.Module) -> None:
+        """Count from now on in this process (`model`: the wrapped policy, for DDP's hook)."""
+        for name, kind in self._WRAPPED.items():
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, _kind=kind, **kwargs):
+                full = _full_tensor(_kind, args, kwargs)
+                self.bytes[_kind] += full.numel() * full.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        if isinstance(model, DistributedDataParallel):  # its buckets' all-reduces through dist.all_reduce
+            model.register_comm_hook(None, allreduce_hook)
+
+    def take(self) -> dict[str, int]:
+        """The bytes since the last call, by collective."""
+        out, self.bytes = self.bytes, {kind: 0 for kind in self.bytes}
+        return out
+
+
+def _full_tensor(kind: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The full-size tensor of a collective call: an all-gather's output, a reduce-scatter's input."""
+    if kind == "reduce_scatter":  # reduce_scatter_single(output, input, ...)
+        return kwargs["input"] if "input" in kwargs else args[1]
+    if kind == "all_gather":  # all_gather_single(output_tensor, input_tensor, ...)
+        return kwargs["output_tensor"] if "output_tensor" in kwargs else args[0]
+    return kwargs["tensor"] if "tensor" in kwargs else args[0]  # all_reduce(tensor, ...)
 
 
 def _trained_names(model: nn.Module) -> list[str]:

@@ -1,0 +1,127 @@
+"""`rhymerl bench update`: seconds per policy update in one process and at 2 ranks (`train.world_size=2`, FSDP2
+and DDP over gloo on a CPU, NCCL on CUDA), and the bytes each rank hands to the collectives per update.
+
+Every setup updates the same model on the same synthetic batches: the default job's shape (prompts_per_step x
+num_generations completions, lengths drawn between half and all of max_completion_length, random prompts of
+`prompt_len` tokens, non-zero advantages), `warmup` untimed updates then `steps` timed ones, the median
+reported. One process uses every core; 2 ranks get half each (on 2 cores: one thread a rank), so on a CPU
+the ratio is the collectives' and processes' overhead, not a speed-up. Ranks split micro-batches, and
+`train.micro_batch_size` is per rank: the default 8 cuts the default job's 16 sequences into 2 micro-batches,
+one a rank (with 16, one rank would run the batch and the other only a zero-weighted copy). A rank's time includes gathering the
+full weights into the driver's copy (the weight sync's source); one process has no such copy to make.
+
+Volumes are counted in rank 0 by `rl.sharding.CommCounter` (each collective's full tensor: an all-gather's
+output, a reduce-scatter's input, an all-reduce's tensor) over one timed update; the weights' gather after
+the update (FSDP: every parameter once, through DTensor's own collectives, which the counter does not see)
+is the parameters' size, computed. A ring all-reduce of B bytes sends about 2 (N-1)/N B per rank; an
+all-gather or reduce-scatter (N-1)/N B: at N GPUs, time ~ those bytes / the link's bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.progress import Progress
+from rhymerl.config import TrainSection
+from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.model.weights import load_decoder
+from rhymerl.process import deterministic_algorithms, setup_process
+from rhymerl.rl.logprobs import Sample
+from rhymerl.rl.ranks import RankGroup
+from rhymerl.rl.trainer import PolicyTrainer
+
+SETUPS = {"one": (1, None), "fsdp2": (2, "fsdp"), "ddp2": (2, "ddp")}  # name -> (ranks, strategy)
+TEMPERATURE = 1.0
+
+
+def batch(step: int, prompts: int, generations: int, prompt_len: int, max_len: int, vocab: int) -> list[Sample]:
+    """Step `step`'s synthetic batch: `prompts` groups of `generations` completions, keyed by the step."""
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(prompts):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        for _ in range(generations):
+            n = int(torch.randint(max_len // 2, max_len + 1, (1,), generator=g))
+            comp = torch.randint(0, vocab, (n,), generator=g).tolist()
+            old = (-torch.rand(n, generator=g) * 3).tolist()
+            out.append(Sample(prompt, comp, old, float(torch.randn(1, generator=g)), temperature=TEMPERATURE))
+    return out
+
+
+def run_setup(name: str, model, cfg: TrainSection, batches: list, warmup: int, progress: Progress) -> dict:
+    ranks, strategy = SETUPS[name]
+    progress.stage(f"{name}: start")
+    if ranks == 1:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # the ranks' devices: one GPU each, or the CPU
+        trainer = PolicyTrainer(copy.deepcopy(model).to(device).train(), cfg, TEMPERATURE, cfg.micro_batch_size * 8)
+    else:
+        trainer = RankGroup(copy.deepcopy(model), TrainSection(**{**cfg.__dict__, "world_size": ranks,
+                                                                  "strategy": strategy}),
+                            TEMPERATURE, cfg.micro_batch_size * 8, count_comm=True)
+    times, comm = [], {}
+    try:
+        for i, b in enumerate(batches):
+            progress.stage(f"{name}: update {i + 1}/{len(batches)}" + (" (warm-up)" if i < warmup else ""))
+            t0 = time.perf_counter()
+            with deterministic_algorithms():
+                metrics = trainer.update(b)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+                comm = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("comm_bytes/")}
+    finally:
+        trainer.close()
+    return {"ranks": ranks, "strategy": strategy, "update_s": statistics.median(times), "update_s_all": times,
+            "comm_bytes": comm, "pg_loss_last": metrics["actor/pg_loss"]}
+
+
+def run(model: str = "smollm2-135m", dtype: str = "fp32", prompts: int = 2, generations: int = 8,
+        prompt_len: int = 64, max_completion_length: int = 128, micro_batch_size: int = 8, steps: int = 3,
+        warmup: int = 1, setups: tuple[str, ...] = tuple(SETUPS), progress: Progress | None = None) -> dict:
+    """The summary dict whose JSON is the bench's last line."""
+    progress = progress or Progress("update", total=len(setups) * (steps + warmup + 1))
+    setup_process(0, "cpu")
+    progress.stage("load the model")
+    decoder = load_decoder(resolve_model_dir(model), torch.float32, "cpu")
+    cfg = TrainSection(micro_batch_size=micro_batch_size, dtype=dtype, total_steps=steps + warmup)
+    batches = [batch(s, prompts, generations, prompt_len, max_completion_length, decoder.cfg.vocab_size)
+               for s in range(steps + warmup)]
+    results = {name: run_setup(name, decoder, cfg, batches, warmup, progress) for name in setups}
+    progress.done()
+    param_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    base = results.get("one", {}).get("update_s")
+    for r in results.values():
+        r["vs_one"] = r["update_s"] / base if base else None
+        if r["strategy"] == "fsdp":
+            r["comm_bytes"]["weights_gather_computed"] = param_bytes
+    return {"bench": "update", "model": model, "dtype": dtype, "prompts": prompts, "generations": generations,
+            "prompt_len": prompt_len, "max_completion_length": max_completion_length,
+            "micro_batch_size": micro_batch_size, "steps": steps, "warmup": warmup, "param_bytes": param_bytes,
+            "machine": device_fields("cpu"), "setups": results}
+
+
+def print_table(summary: dict, console: Console | None = None) -> None:
+    console = console or table_console()
+    m = summary["machine"]
+    t = Table(title=f"policy update by world size: {summary['model']} {summary['dtype']}, {summary['prompts']} x "
+                    f"{summary['generations']} completions of <= {summary['max_completion_length']} tokens, "
+                    f"micro_batch_size {summary['micro_batch_size']}, median of {summary['steps']} after "
+                    f"{summary['warmup']} warm-up, on {m.get('cpu', m['device'])}")
+    for col in ("setup", "s / update", "vs one", "all-gather MB", "reduce-scatter MB", "all-reduce MB",
+                "weights gather MB"):
+        t.add_column(col, justify="right")
+    mb = lambda v: f"{v / 1e6:.1f}" if v is not None else "-"  # noqa: E731
+    for name, r in summary["setups"].items():
+        c = r["comm_bytes"]
+        t.add_row(name, f"{r['update_s']:.2f}", f"{r['vs_one']:.3f}x" if r["vs_one"] else "-",
+                  mb(c.get("all_gather")), mb(c.get("reduce_scatter")), mb(c.get("all_reduce")),
+                  mb(c.get("weights_gather_computed")))
+    console.print(t)
+    console.print("volumes: bytes rank 0 hands to each collective per update (an all-gather's output, a "
+                  "reduce-scatter's input); the weights' gather is the parameters' size, computed")
