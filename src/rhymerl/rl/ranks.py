@@ -66,14 +66,14 @@ class RankGroup:
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
                  ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0,
                  seed: int = 0, count_comm: bool = False):
+        if torch.cuda.is_available() and torch.cuda.device_count() < cfg.world_size:
+            raise UserError(f"train.world_size={cfg.world_size}: this machine has {torch.cuda.device_count()} GPUs "
+                            f"(one rank a GPU)")
         self.model = model
         # shared memory the ranks start from and rank 0 writes each step's weights into: the model's own
         # tensors on a CPU (no copy), else a CPU copy that `update` loads into the model
         self._mirror = _shared(model)
         ref = _shared(ref_model) if ref_model is not None else None
-        cuda = torch.cuda.is_available()
-        if cuda and torch.cuda.device_count() < cfg.world_size:
-            raise UserError(f"train.world_size={cfg.world_size}: this machine has {torch.cuda.device_count()} GPUs")
         threads = max(1, len(os.sched_getaffinity(0)) // cfg.world_size)  # the ranks share this machine's cores
         spec = _RankSpec(cfg.world_size, cfg.strategy, _free_port(), seed, model.cfg, self._mirror, ref, cfg,
                          {"temperature": temperature, "max_completion_length": max_completion_length,
