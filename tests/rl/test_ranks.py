@@ -15,7 +15,7 @@ import torch
 from rhymerl.config import TrainSection
 from rhymerl.rl.ranks import RankFailure, RankGroup
 from rhymerl.rl.trainer import PolicyTrainer
-from test_trainer import _samples
+from helpers import training_samples
 from tiny_models import tiny_decoder
 
 TEMPERATURE, MAX_LEN = 0.7, 8
@@ -24,7 +24,7 @@ TEMPERATURE, MAX_LEN = 0.7, 8
 def _batches(n: int = 3) -> list:
     """Updates of 12 samples in groups of 3: with micro_batch_size 2, 5 micro-batches (an odd number, so one
     rank runs a padding micro-batch) of the 8 sequences with a non-zero advantage."""
-    return [_samples(seed=k, n=12, group=3) for k in range(n)]
+    return [training_samples(seed=k, n=12, group=3) for k in range(n)]
 
 
 def _cfg(**kw) -> TrainSection:
