@@ -7,7 +7,10 @@ num_generations completions, lengths drawn between half and all of max_completio
 reported. One process uses every core; 2 ranks get half each (on 2 cores: one thread a rank), so on a CPU
 the ratio is the collectives' and processes' overhead, not a speed-up. Ranks split micro-batches, and
 `train.micro_batch_size` is per rank: the default 8 cuts the default job's 16 sequences into 2 micro-batches,
-one a rank (with 16, one rank would run the batch and the other only a zero-weighted copy). A rank's time includes gathering the
+one a rank (with 16, one rank would run the batch and the other only a zero-weighted copy). `one_1thread`
+is the one process on one thread, what each of the 2 ranks has on 2 cores: on a machine shared with other
+work, two threads that wait on each other at every operation can be slowed far more than two processes of
+one thread, and this setup tells that apart from the ranks' own cost. A rank's time includes gathering the
 full weights into the driver's copy (the weight sync's source); one process has no such copy to make.
 
 Volumes are counted in rank 0 by `rl.sharding.CommCounter` (each collective's full tensor: an all-gather's
@@ -37,7 +40,8 @@ from rhymerl.rl.logprobs import Sample
 from rhymerl.rl.ranks import RankGroup
 from rhymerl.rl.trainer import PolicyTrainer
 
-SETUPS = {"one": (1, None), "fsdp2": (2, "fsdp"), "ddp2": (2, "ddp")}  # name -> (ranks, strategy)
+# name -> (ranks, strategy, torch threads of the one process: None = every core)
+SETUPS = {"one": (1, None, None), "one_1thread": (1, None, 1), "fsdp2": (2, "fsdp", None), "ddp2": (2, "ddp", None)}
 TEMPERATURE = 1.0
 
 
@@ -56,8 +60,10 @@ def batch(step: int, prompts: int, generations: int, prompt_len: int, max_len: i
 
 
 def run_setup(name: str, model, cfg: TrainSection, batches: list, warmup: int, progress: Progress) -> dict:
-    ranks, strategy = SETUPS[name]
+    ranks, strategy, threads = SETUPS[name]
     progress.stage(f"{name}: start")
+    all_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or all_threads)
     if ranks == 1:
         device = "cuda" if torch.cuda.is_available() else "cpu"  # the ranks' devices: one GPU each, or the CPU
         trainer = PolicyTrainer(copy.deepcopy(model).to(device).train(), cfg, TEMPERATURE, cfg.micro_batch_size * 8)
@@ -77,6 +83,7 @@ def run_setup(name: str, model, cfg: TrainSection, batches: list, warmup: int, p
                 comm = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("comm_bytes/")}
     finally:
         trainer.close()
+        torch.set_num_threads(all_threads)
     return {"ranks": ranks, "strategy": strategy, "update_s": statistics.median(times), "update_s_all": times,
             "comm_bytes": comm, "pg_loss_last": metrics["actor/pg_loss"]}
 
