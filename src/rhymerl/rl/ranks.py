@@ -149,9 +149,12 @@ class RankGroup:
                 p.join()
         self._procs = [p for p in self._procs if p.exitcode is None]
 
-    def __del__(self):
+    def __del__(self):  # a run that never reached `close` (built, then abandoned)
         if getattr(self, "_procs", None):
-            self.close()
+            try:
+                self.close()
+            except (OSError, ValueError):  # queues already closed at interpreter exit: the ranks are daemons
+                pass
 
 
 def _shared(model: Decoder) -> dict[str, torch.Tensor]:
