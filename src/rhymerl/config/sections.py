@@ -184,7 +184,11 @@ class RolloutSection(_Section):
                 ("num_workers", self.backend != "local" or self.num_workers == 1, "1 with rollout.backend=local",
                  " (the local backend runs one in-process worker; set rollout.backend=ray for several)"),
                 ("mode", self.backend != "local" or self.mode == "sync", "'sync' with rollout.backend=local",
-                 " (one_step_off rolls out on Ray workers while the driver trains; set rollout.backend=ray)")]
+                 " (one_step_off rolls out on Ray workers while the driver trains; set rollout.backend=ray)"),
+                ("schedule", self.backend != "local" or self.schedule == "static", "'static' with "
+                 "rollout.backend=local", " (it splits a step among Ray workers; set rollout.backend=ray)"),
+                ("migration", self.backend != "local" or not self.migration, "false with rollout.backend=local",
+                 " (it moves requests between Ray workers; set rollout.backend=ray)")]
 
 
 @dataclass
@@ -266,7 +270,8 @@ class RaySection(_Section):
 
     address: str = _opt("", "'' = start a fresh local cluster for this run (ray.init(address='local'), never a "
                         "stray one that happens to run); auto = join the running cluster (`ray start --head`); "
-                        "host:port = join that one")
+                        "host:port = join that one. A Ray cluster has no authentication: whoever reaches its ports "
+                        "runs code on its nodes, so keep them on a trusted network")
 
     def _rules(self) -> list[tuple]:
         return [("address", self.address in ("", "auto") or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address)
