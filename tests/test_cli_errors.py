@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -334,7 +335,8 @@ def _one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str:
 
 def test_failures_through_the_command(tmp_path, model_dir, trained):
     """As a user meets them, in real processes: a fresh run into a run directory, a state.json naming a dtype
-    that does not exist, HistoPipe's Ray-only keys with the local backend."""
+    that does not exist, HistoPipe's Ray-only keys with the local backend, a Ray address where nothing runs
+    (ray.init would retry for minutes, printing Ray's warnings)."""
     run, ckpt = _copy(trained, tmp_path)
     metrics = (run / "metrics.jsonl").read_bytes()
     _one_error_line(_run(*_train_args(model_dir, run, "train.total_steps=1")), run, "already holds a run", "--resume")
@@ -347,6 +349,13 @@ def test_failures_through_the_command(tmp_path, model_dir, trained):
 
     _one_error_line(_run(*_train_args(model_dir, tmp_path / "new", "rollout.schedule=histopipe")),
                     "rollout.schedule", "rollout.backend=local")
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _run(*_train_args(model_dir, tmp_path / "ray", "rollout.backend=ray", f"ray.address=127.0.0.1:{port}"))
+    _one_error_line(proc, f"ray.address=127.0.0.1:{port}", "no Ray cluster answers", "ray start --head")
+    assert "GCS" not in proc.stderr and "rpc_client" not in proc.stderr  # none of Ray's connection warnings
 
 
 def test_histopipes_ray_keys_are_refused_with_the_local_backend(capsys):
