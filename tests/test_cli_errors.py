@@ -384,3 +384,27 @@ def test_a_resume_keeps_config_yaml_and_records_its_overrides(tmp_path, capsys, 
     assert len((run / "overrides.jsonl").read_text().splitlines()) == 1  # a resume without overrides adds none
     (run / "overrides.jsonl").write_text("train.total_steps=3\n")
     _fails(capsys, ["train", "--resume", str(run)], run / "overrides.jsonl", "line 1")
+
+
+def test_a_worker_failing_past_its_restarts_ends_the_run_in_one_line(tmp_path, capsys, trained, monkeypatch):
+    """The rollout raising every time (an out-of-memory error, say, whose message runs on for lines): the
+    worker is rebuilt rollout.max_worker_restarts times, then the run stops with one line naming the fault
+    and the key, exit code 1, and the checkpoint before it intact. (Ray workers follow the same policy:
+    tests/rollout/test_ray_pool.py.)"""
+    from rhymerl.engine.engine import Engine
+
+    run, ckpt = _copy(trained, tmp_path)
+    rows = (run / "metrics.jsonl").read_bytes()
+
+    def out_of_memory(self):
+        raise MemoryError("out of memory: tried to allocate 2.00 GiB\n(the allocator's statistics follow)")
+
+    monkeypatch.setattr(Engine, "step", out_of_memory)
+    assert cli.main(["train", "--resume", str(run), "train.total_steps=3", "rollout.max_worker_restarts=2"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rhymerl: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "MemoryError: out of memory" in lines[0] and "rollout.max_worker_restarts" in lines[0]
+    assert "statistics" not in err  # the fault's first line only
+    assert err.count("rebuilding it") == 2  # (1/2), (2/2), then no worker is left
+    assert latest_checkpoint(run) == ckpt and (run / "metrics.jsonl").read_bytes() == rows
