@@ -270,8 +270,8 @@ class RaySection(_Section):
 
     address: str = _opt("", "'' = start a fresh local cluster for this run (ray.init(address='local'), never a "
                         "stray one that happens to run); auto = join the running cluster (`ray start --head`); "
-                        "host:port = join that one. A Ray cluster has no authentication: whoever reaches its ports "
-                        "runs code on its nodes, so keep them on a trusted network")
+                        "host:port = join that one. Without Ray's token authentication (RAY_AUTH_MODE=token, Ray "
+                        ">= 2.52) whoever reaches a cluster's ports runs code on its nodes: see the README")
 
     def _rules(self) -> list[tuple]:
         return [("address", self.address in ("", "auto") or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address)
