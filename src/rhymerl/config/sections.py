@@ -153,7 +153,7 @@ class RolloutSection(_Section):
                             "backend=ray); the CPU cores are divided among them, on CUDA each takes one GPU",
                             check=">= 1")
     max_worker_restarts: int = _opt(3, "times a failed rollout worker is restarted and its requests run again "
-                                    "(ray: its actor died or did not answer; local: its rollout raised); past it "
+                                    "(its rollout raised or, with ray, its actor died or did not answer); past it "
                                     "the worker is dropped and the others take its requests, and with none left "
                                     "the run stops", check=">= 0")
     worker_timeout_s: float = _opt(0.0, "backend=ray: seconds a worker's share of a rollout, or a weight load, "
