@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -318,3 +319,92 @@ def test_a_trainer_state_of_another_model_is_named(tmp_path, capsys, trained):
     run, ckpt = _copy(trained, tmp_path)
     _fails(capsys, ["train", "--resume", str(run), "model.lora_r=4", "train.total_steps=3"],
            ckpt / "trainer.pt", "does not fit")
+
+
+# ---------------------------------------------------------------- run directories, resumes, backends (issue 37)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rhymerl: error: ")]
+    assert len(lines) == 1, proc.stderr
+    for name in names:
+        assert str(name) in lines[0], (name, lines[0])
+    return lines[0]
+
+
+def test_failures_through_the_command(tmp_path, model_dir, trained):
+    """As a user meets them, in real processes: a fresh run into a run directory, a state.json naming a dtype
+    that does not exist, HistoPipe's Ray-only keys with the local backend, a Ray address where nothing runs
+    (ray.init would retry for minutes, printing Ray's warnings)."""
+    run, ckpt = _copy(trained, tmp_path)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    _one_error_line(_run(*_train_args(model_dir, run, "train.total_steps=1")), run, "already holds a run", "--resume")
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing appended
+
+    state_file = ckpt / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "dtypes": {"rollout": "int8", "train": "fp32"}}))
+    _one_error_line(_run("train", "--resume", str(run)), state_file, "'dtypes'", "int8")
+
+    _one_error_line(_run(*_train_args(model_dir, tmp_path / "new", "rollout.schedule=histopipe")),
+                    "rollout.schedule", "rollout.backend=local")
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _run(*_train_args(model_dir, tmp_path / "ray", "rollout.backend=ray", f"ray.address=127.0.0.1:{port}"))
+    _one_error_line(proc, f"ray.address=127.0.0.1:{port}", "no Ray cluster answers", "ray start --head")
+    assert "GCS" not in proc.stderr and "rpc_client" not in proc.stderr  # none of Ray's connection warnings
+
+
+def test_histopipes_ray_keys_are_refused_with_the_local_backend(capsys):
+    _fails(capsys, ["train", "rollout.schedule=least_loaded"], "rollout.schedule", "'static'", "rollout.backend=ray")
+    _fails(capsys, ["train", "rollout.migration=true"], "rollout.migration", "rollout.backend=ray")
+
+
+def test_a_fresh_run_never_writes_into_a_run_directory(tmp_path, capsys, model_dir, trained):
+    run, ckpt = _copy(trained, tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    _fails(capsys, _train_args(model_dir, run, "train.total_steps=1"), run, "already holds a run")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_resume_keeps_config_yaml_and_records_its_overrides(tmp_path, capsys, trained):
+    run, _ = _copy(trained, tmp_path)
+    config = (run / "config.yaml").read_bytes()
+    assert cli.main(["train", "--resume", str(run), "train.total_steps=3"]) == 0
+    assert latest_checkpoint(run).name == "step_000003"
+    assert (run / "config.yaml").read_bytes() == config  # the config the run started with
+    assert [json.loads(line) for line in (run / "overrides.jsonl").read_text().splitlines()] == \
+        [{"step": 2, "overrides": ["train.total_steps=3"]}]
+    # a later resume applies them again: the run now ends at step 3, so total_steps=2 is below its checkpoint
+    _fails(capsys, ["train", "--resume", str(run), "train.total_steps=2"], "train.total_steps=2", "step 3")
+    assert cli.main(["train", "--resume", str(run)]) == 0  # at its end (3 steps): nothing left to do
+    assert len((run / "overrides.jsonl").read_text().splitlines()) == 1  # a resume without overrides adds none
+    (run / "overrides.jsonl").write_text("train.total_steps=3\n")
+    _fails(capsys, ["train", "--resume", str(run)], run / "overrides.jsonl", "line 1")
+
+
+def test_a_worker_failing_past_its_restarts_ends_the_run_in_one_line(tmp_path, capsys, trained, monkeypatch):
+    """The rollout raising every time (an out-of-memory error, say, whose message runs on for lines): the
+    worker is rebuilt rollout.max_worker_restarts times, then the run stops with one line naming the fault
+    and the key, exit code 1, and the checkpoint before it intact. (Ray workers follow the same policy:
+    tests/rollout/test_ray_pool.py.)"""
+    from rhymerl.engine.engine import Engine
+
+    run, ckpt = _copy(trained, tmp_path)
+    rows = (run / "metrics.jsonl").read_bytes()
+
+    def out_of_memory(self):
+        raise MemoryError("out of memory: tried to allocate 2.00 GiB\n(the allocator's statistics follow)")
+
+    monkeypatch.setattr(Engine, "step", out_of_memory)
+    assert cli.main(["train", "--resume", str(run), "train.total_steps=3", "rollout.max_worker_restarts=2"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rhymerl: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "MemoryError: out of memory" in lines[0] and "rollout.max_worker_restarts" in lines[0]
+    assert "statistics" not in err  # the fault's first line only
+    assert err.count("rebuilding it") == 2  # (1/2), (2/2), then no worker is left
+    assert latest_checkpoint(run) == ckpt and (run / "metrics.jsonl").read_bytes() == rows

@@ -4,6 +4,7 @@ so after a power loss the new file is there whole or not at all."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from contextlib import contextmanager
@@ -34,10 +35,12 @@ def fsync_tree(root: str | os.PathLike) -> None:
 
 
 @contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+def atomic_write(path: str | os.PathLike, mode: str = "w", exclusive: bool = False) -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit flush, fsync and rename it over
     `path` (and fsync the directory, so the rename survives a power loss); on an exception remove it and
-    re-raise."""
+    re-raise. `exclusive`: publish it only where `path` does not exist yet, by a hard link, which fails with
+    FileExistsError rather than replace a file another process published first (two runs claiming one
+    directory); where the file system has no hard links, a check then a rename."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
@@ -46,7 +49,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            _publish_new(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -54,3 +60,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             pass
         raise
     fsync_dir(Path(directory))
+
+
+def _publish_new(tmp: str, path: str) -> None:
+    """Give the written file `tmp` the name `path` only if no file has it (FileExistsError otherwise)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", path) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)

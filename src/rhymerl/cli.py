@@ -1,8 +1,9 @@
 """The `rhymerl` command: train, report, generate, bench (each a module of `rhymerl.commands`).
 
 Bad input (a config key, a file, a model directory, a checkpoint, an option) ends in one line, `rhymerl:
-error: <message>` naming it and what to do, and exit code 2; `rhymerl --debug <command>` shows the traceback
-instead. Only the known bad-input exceptions (`USER_ERRORS`, and an OSError the system raised about a named
+error: <message>` naming it and what to do, and exit code 2; rollout workers failing past
+`rollout.max_worker_restarts` (`WorkersFailed`) end in one such line with exit code 1; `rhymerl --debug
+<command>` shows the traceback instead. Only the known bad-input exceptions (`USER_ERRORS`, and an OSError the system raised about a named
 file) are turned into that line: anything else is a bug and keeps its traceback.
 """
 
@@ -22,6 +23,7 @@ from rhymerl.commands.train import cmd_train  # noqa: F401
 from rhymerl.config import ConfigError
 from rhymerl.errors import UserError
 from rhymerl.rl.rewards import RewardFunctionError
+from rhymerl.rollout.types import WorkersFailed
 
 # The exceptions that mean "bad input" (each names what is wrong); main prints them as one line.
 USER_ERRORS = (UserError, ConfigError, RewardFunctionError)
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         return _fail(str(e))
+    except WorkersFailed as e:  # not bad input, but a known end: one line, the checkpoint intact (exit code 1)
+        if args.debug:
+            raise
+        return _fail(str(e), code=1)
     except OSError as e:
         message = _environment_message(e)
         if args.debug or message is None:  # not about a file the user named: a bug, keep its traceback
@@ -64,9 +70,9 @@ def _environment_message(e: OSError) -> str | None:
     return None
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 2) -> int:
     print(f"rhymerl: error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 if __name__ == "__main__":

@@ -185,3 +185,53 @@ def test_cuda_rng_round_trip(tmp_path):
     torch.cuda.manual_seed_all(12)
     set_rng_state(load_trainer_state(ckpt)["rng"])
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def _marked(ckpt: Path) -> str:
+    return json.loads((ckpt / "state.json").read_text()).get("mark", "")
+
+
+def test_a_step_saved_again_replaces_the_old_one_only_once_the_new_one_is_in_place(tmp_path, monkeypatch):
+    model_dir = Path(tiny_checkpoint("llama")[0])
+    weights = load_file(str(model_dir / "model.safetensors"))
+
+    def save(mark: str) -> Path:
+        return save_checkpoint(tmp_path, 3, hf_weights=weights, model_dir=model_dir, trainer_state=_trainer_state(),
+                               history_state=None, state={"mark": mark})
+
+    save("first")
+    real_replace = os.replace
+
+    def crash_on_publish(src, dst):  # the power goes out between moving the old one aside and the new one in
+        if Path(src).name == "step_000003.tmp":
+            raise OSError(5, "Input/output error", str(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_publish)
+    with pytest.raises(OSError):
+        save("second")
+    monkeypatch.undo()
+    # the old checkpoint was never deleted: it is found (as step_000003.old) and reads as step 3
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == "step_000003.old" and _marked(ckpt) == "first" and read_state(ckpt)["step"] == 3
+    assert save("third").name == "step_000003" and _marked(latest_checkpoint(tmp_path)) == "third"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000003"]
+    save("fourth")  # saved again without a crash: the new one, and nothing left over
+    assert _marked(latest_checkpoint(tmp_path)) == "fourth"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000003"]
+
+
+@pytest.mark.parametrize("field, value", [("dtypes", {"rollout": "int8", "train": "fp32"}), ("dtypes", ["bf16"]),
+                                          ("reward_errors", -1), ("reward_errors", 1.5), ("data_pos", "3"),
+                                          ("data_pos", 2), ("metrics", {"actor/kl": None}), ("config", {"model": 1})])
+def test_every_field_of_state_json_is_checked(tmp_path, field, value):
+    ckpt = _save(tmp_path)
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, field: value}))
+    with pytest.raises(CheckpointError, match=f"state.json: '{field}'") as err:
+        read_state(ckpt)
+    assert "\n" not in str(err.value)
+    del state["step"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="'step' is missing"):
+        read_state(ckpt)

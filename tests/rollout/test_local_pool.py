@@ -8,6 +8,7 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.history import HistoryStore
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
+from rhymerl.rollout.types import WorkersFailed
 from tiny_models import random_prompts, tiny_decoder
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
@@ -178,6 +179,6 @@ def test_an_exception_inside_the_worker_rebuilds_it_and_loses_nothing(policy, mo
 
     monkeypatch.setattr(Engine, "step", always_failing)
     pool.max_restarts = 2  # one more rebuild, then none left
-    with pytest.raises(RuntimeError, match=r"injected fault.*rollout\.max_worker_restarts") as err:
+    with pytest.raises(WorkersFailed, match=r"injected fault.*rollout\.max_worker_restarts") as err:
         pool.rollout(groups(prompts), PARAMS)
     assert pool.restarts == [2] and str(err.value.__cause__) == "injected fault"

@@ -13,11 +13,13 @@ import ray
 
 import rhymerl
 from rhymerl.cost_model import CostModel
+from rhymerl.errors import UserError
 from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
 from rhymerl.histopipe.plan import static_split
 from rhymerl.rollout.ray_pool import RayPool, worker_resources
+from rhymerl.rollout.types import WorkersFailed
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import peaky_checkpoint, random_prompts
 
@@ -141,6 +143,35 @@ def test_only_the_ray_backend_imports_ray():
     assert importers == ["rollout/ray_actor.py", "rollout/ray_pool.py"]
 
 
+def test_a_worker_whose_rollout_raises_is_restarted_as_the_local_one_is(pool, capfd):
+    """The local pool's policy: a rollout that raises inside the worker (here its HistoSpec state is corrupt,
+    so drafting raises a TypeError) does not end the call: the worker is replaced on the current weights and
+    its groups run again there, the same tokens as undisturbed (the fresh actor's state is whole)."""
+    prompts = random_prompts(4, seed=13)
+    first = pool.rollout(groups(prompts, tag="x1"), PARAMS)
+    for i, p in enumerate(prompts):  # history to draft from: worker 1 drafts in the next call
+        pool.record(p, [o.token_ids for o in first.outputs[2 * i: 2 * i + 2]], [1.0, 0.0])
+    undisturbed = pool.rollout(groups(prompts, tag="x2"), PARAMS)
+    assert undisturbed.spec_totals().drafted > 0
+    state = ray.get(pool.actors[1].spec_state.remote())
+    corrupt = {**state, "calibration": {k: [[None] * len(r) for r in rows] for k, rows in state["calibration"].items()}}
+    ray.get(pool.actors[1].load_spec_state.remote(corrupt))
+    restarts, victim = list(pool.restarts), pool.pids[1]
+    result = pool.rollout(groups(prompts, tag="x2"), PARAMS)
+    assert pool.restarts == [restarts[0], restarts[1] + 1] and pool.pids[1] != victim
+    assert tokens(result) == tokens(undisturbed)
+    assert re.search(r"worker 1 raised TypeError: .*: restarting it", capfd.readouterr().err)
+
+
+def test_more_gpu_workers_than_gpus_are_refused_at_once(cluster, policy, peaky_dir):
+    """On CUDA each worker takes a GPU; this cluster has none, so two CUDA workers could never start: Ray
+    would wait for the GPUs forever. Refused before any actor is asked for, naming the key."""
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"rollout.num_workers=2: .*the Ray cluster has 0"):
+        RayPool(policy, None, peaky_dir, CONFIG, HistoryStore(), num_workers=2, device="cuda")
+    assert time.monotonic() - started < 30
+
+
 def test_a_hung_worker_times_out_and_one_failing_too_often_is_dropped(pool, policy):
     """The module's last test on the pool (it leaves one worker): a second pool would not fit the 2 CPUs."""
     pool.timeout_s, pool.max_restarts = 3.0, pool.restarts[1] + 1  # worker 1 may be restarted once more
@@ -160,5 +191,5 @@ def test_a_hung_worker_times_out_and_one_failing_too_often_is_dropped(pool, poli
     assert [w.worker for w in dropped.workers] == [0, 0]  # its own share, then worker 1's
     pool.max_restarts = pool.restarts[0]
     os.kill(pool.pids[0], signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="no rollout worker is left"):
+    with pytest.raises(WorkersFailed, match="no rollout worker is left"):
         pool.rollout(groups(prompts), LONG)

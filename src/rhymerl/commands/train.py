@@ -38,5 +38,7 @@ def add_parser(sub) -> None:
     t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.temperature=0.6")
     t.add_argument("--config", default=None, help="YAML config file (sections as listed below)")
     t.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue RUN_DIR from its latest checkpoint, with its saved config (+ overrides)")
+                   help="continue RUN_DIR from its latest checkpoint, with its saved config (+ overrides, recorded "
+                        "in RUN_DIR/overrides.jsonl); it imports the reward module that config names, so resume "
+                        "only runs you trust")
     t.set_defaults(func=cmd_train)

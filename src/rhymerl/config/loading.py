@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from rhymerl.atomic_file import atomic_write
 from rhymerl.config.sections import _ALL_KEYS, _TYPES, ConfigError, TrainConfig, validate
 
 __all__ = ["config_from_dict", "config_to_dict", "load_config", "save_config"]
@@ -156,6 +157,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return _finish(_merge(conf, _parse_overrides(overrides), ""), "")
 
 
-def save_config(cfg: TrainConfig, path: str | Path) -> None:
-    """Write `cfg` as YAML (sections in order) so that `load_config(path)` gives it back."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))
+def save_config(cfg: TrainConfig, path: str | Path, exclusive: bool = False) -> None:
+    """Write `cfg` as YAML (sections in order) so that `load_config(path)` gives it back; atomically (a reader
+    sees the whole file or none) and, with `exclusive`, only where no file is there yet (FileExistsError)."""
+    with atomic_write(path, exclusive=exclusive) as f:
+        f.write(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))

@@ -153,7 +153,7 @@ class RolloutSection(_Section):
                             "backend=ray); the CPU cores are divided among them, on CUDA each takes one GPU",
                             check=">= 1")
     max_worker_restarts: int = _opt(3, "times a failed rollout worker is restarted and its requests run again "
-                                    "(ray: its actor died or did not answer; local: its rollout raised); past it "
+                                    "(its rollout raised or, with ray, its actor died or did not answer); past it "
                                     "the worker is dropped and the others take its requests, and with none left "
                                     "the run stops", check=">= 0")
     worker_timeout_s: float = _opt(0.0, "backend=ray: seconds a worker's share of a rollout, or a weight load, "
@@ -184,7 +184,11 @@ class RolloutSection(_Section):
                 ("num_workers", self.backend != "local" or self.num_workers == 1, "1 with rollout.backend=local",
                  " (the local backend runs one in-process worker; set rollout.backend=ray for several)"),
                 ("mode", self.backend != "local" or self.mode == "sync", "'sync' with rollout.backend=local",
-                 " (one_step_off rolls out on Ray workers while the driver trains; set rollout.backend=ray)")]
+                 " (one_step_off rolls out on Ray workers while the driver trains; set rollout.backend=ray)"),
+                ("schedule", self.backend != "local" or self.schedule == "static", "'static' with "
+                 "rollout.backend=local", " (it splits a step among Ray workers; set rollout.backend=ray)"),
+                ("migration", self.backend != "local" or not self.migration, "false with rollout.backend=local",
+                 " (it moves requests between Ray workers; set rollout.backend=ray)")]
 
 
 @dataclass
@@ -272,7 +276,8 @@ class RaySection(_Section):
 
     address: str = _opt("", "'' = start a fresh local cluster for this run (ray.init(address='local'), never a "
                         "stray one that happens to run); auto = join the running cluster (`ray start --head`); "
-                        "host:port = join that one")
+                        "host:port = join that one. Without Ray's token authentication (RAY_AUTH_MODE=token, Ray "
+                        ">= 2.52) whoever reaches a cluster's ports runs code on its nodes: see the README")
 
     def _rules(self) -> list[tuple]:
         return [("address", self.address in ("", "auto") or re.fullmatch(r"(ray://)?[^\s:/]+:\d+", self.address)

@@ -15,11 +15,14 @@ directories themselves).
 
 Atomicity: a checkpoint is written into `step_000010.tmp`, every file and the folder are fsynced, and only
 then is it renamed into place (and the rename fsynced); `latest` is replaced by rename only after that. A
-crash or power loss at any moment leaves the previous checkpoint intact, and a resume finds the newest
-complete one.
+step saved again (a resumed run re-saving it) first moves the old folder aside to `step_000010.old`, renames
+the new one in, and only then deletes the old: a crash between the two renames leaves `.old`, which counts as
+that step's checkpoint while no `step_000010` exists. A crash or power loss at any moment leaves the previous
+checkpoint intact, and a resume finds the newest complete one.
 
 Reading validates what it reads: a file that is missing, truncated, not what rhymerl writes, or a state.json
-whose step disagrees with its folder raises `CheckpointError` naming the file and what to do.
+with a field of the wrong type or value (`STATE_FIELDS`; its step must agree with its folder) raises
+`CheckpointError` naming the file, the field and what to do.
 """
 
 from __future__ import annotations
@@ -107,10 +110,19 @@ def save_checkpoint(run_dir: Path, step: int, *, hf_weights: dict[str, torch.Ten
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk included) leaves nothing behind
         raise
-    if final.exists():
-        shutil.rmtree(final)
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        if final.exists():  # left over from a crash after the swap below: the new one is in place
+            shutil.rmtree(old)
+        else:  # left over from a crash between the renames: it is this step's checkpoint until replaced
+            os.replace(old, final)
+    if final.exists():  # saved again: the new one goes in place before the old one goes
+        os.replace(final, old)
+        fsync_dir(final.parent)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
     with atomic_write(final.parent / LATEST) as f:
         f.write(final.name)
     _prune(final.parent, keep)
@@ -144,8 +156,14 @@ def _force_fp32_config(path: Path) -> None:
 
 
 def _complete(ckpt_root: Path) -> list[Path]:
-    """Checkpoint directories renamed into place (not `.tmp`), oldest first (the names sort by step)."""
-    return sorted(p for p in ckpt_root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    """Checkpoint directories renamed into place, oldest first (the names sort by step): `step_N`, or
+    `step_N.old` where a crash between the two renames of a re-save left no `step_N`; never `.tmp`."""
+    dirs = {p.name: p for p in ckpt_root.glob("step_*") if p.is_dir()}
+    done = [p for name, p in dirs.items() if name.removeprefix(_PREFIX).isdigit()]
+    done += [p for name, p in dirs.items()
+             if name.endswith(".old") and name.removesuffix(".old").removeprefix(_PREFIX).isdigit()
+             and name.removesuffix(".old") not in dirs]
+    return sorted(done, key=lambda p: p.name.removesuffix(".old"))
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
@@ -169,23 +187,50 @@ def _read_json(path: Path) -> object:
         raise CheckpointError(f"{path}: truncated or corrupt JSON ({e.msg} at line {e.lineno}): {_ADVICE}") from None
 
 
+def _is_int(value: object, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+# state.json's fields: (what the field must be, the check). `step` is required; the others were added over
+# time and may be absent from an older checkpoint. Unknown keys are ignored (a newer rhymerl may add some).
+STATE_FIELDS = {
+    "step": ("a non-negative integer", _is_int),
+    "reward_errors": ("a non-negative integer", _is_int),
+    "data_pos": ("a non-negative integer", _is_int),
+    "dtypes": ("an object whose 'rollout' and 'train' are each 'bf16' or 'fp32'",
+               lambda v: isinstance(v, dict) and set(v) <= {"rollout", "train"}
+               and all(d in ("bf16", "fp32") for d in v.values())),
+    "config": ("an object of config sections, each an object",
+               lambda v: isinstance(v, dict) and all(isinstance(s, dict) for s in v.values())),
+    "metrics": ("an object of metric names to numbers or strings",
+                lambda v: isinstance(v, dict) and all(isinstance(x, (int, float, str)) and not isinstance(x, bool)
+                                                      for x in v.values())),
+}
+
+
 def read_state(path: Path) -> dict:
-    """state.json of a checkpoint directory (cheap: no weights, no optimizer), checked: an object whose
-    integer `step` is the step its folder is named after. Raises CheckpointError naming the file."""
+    """state.json of a checkpoint directory (cheap: no weights, no optimizer), checked field by field
+    (`STATE_FIELDS`): an object whose integer `step` is the step its folder is named after, whose
+    `data_pos` is not behind it, and whose dtypes are ones rhymerl computes in. Raises CheckpointError naming
+    the file and the field."""
     path = Path(path)
     f = path / "state.json"
     state = _read_json(f)
     if not isinstance(state, dict):
         raise CheckpointError(f"{f}: expected a JSON object, got {type(state).__name__}: {_ADVICE}")
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{f}: 'step' must be a non-negative integer, got {step!r}: {_ADVICE}")
-    folder = path.name.removeprefix(_PREFIX)
+    if "step" not in state:
+        raise CheckpointError(f"{f}: 'step' is missing; not a state rhymerl wrote: {_ADVICE}")
+    for key, (rule, holds) in STATE_FIELDS.items():
+        if key in state and not holds(state[key]):
+            raise CheckpointError(f"{f}: {key!r} must be {rule}, got {json.dumps(state[key])[:200]}: {_ADVICE}")
+    step = state["step"]
+    folder = path.name.removesuffix(".old").removeprefix(_PREFIX)
     if path.name.startswith(_PREFIX) and folder.isdigit() and int(folder) != step:
         raise CheckpointError(f"{f}: says step {step} but its folder is {path.name} (step {int(folder)}); the "
                               f"checkpoint was edited or moved: {_ADVICE}")
-    if not isinstance(state.get("reward_errors", 0), int) or not isinstance(state.get("dtypes", {}), dict):
-        raise CheckpointError(f"{f}: 'reward_errors' must be an integer and 'dtypes' an object: {_ADVICE}")
+    if state.get("data_pos", step) < step:
+        raise CheckpointError(f"{f}: 'data_pos' ({state['data_pos']}) is behind 'step' ({step}): each step draws "
+                              f"at least one batch of prompts: {_ADVICE}")
     return state
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config, save_config
+from rhymerl.config import ConfigError, TrainConfig, config_to_dict, load_config
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.trace import TraceWriter
 from rhymerl.history import HistoryStore, prompt_key
@@ -42,6 +42,7 @@ from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.background_rollout import BackgroundRollout
 from rhymerl.rl.filtering import GroupFilter
 from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
+from rhymerl.rl.run_dir import CONFIG, claim, new_run_dir, record_overrides, recorded_overrides
 from rhymerl.rl.run_settings import resolve_machine_defaults, run_dtypes, worker_config
 from rhymerl.rl.step_metrics import group_metrics, length_report, merged, rollout_metrics, val_metrics
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
@@ -61,15 +62,15 @@ class TrainingRun:
     """One `rhymerl train` run. `cost_model` fixes HistoSpec's forward-cost model instead of measuring it
     (tests use it to make draft shapes, and so bf16 rounding, independent of timing)."""
 
-    def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None):
+    def __init__(self, cfg: TrainConfig, resume_dir: str | Path | None = None, cost_model: CostModel | None = None,
+                 resume_overrides: Sequence[str] = ()):
         if cfg.train.world_size > 1 and cfg.model.lora_r > 0:
             raise ConfigError("model.lora_r > 0 with train.world_size > 1: LoRA runs in one process for now "
                               "(set train.world_size=1)")
         device = "cuda" if torch.cuda.is_available() else "cpu"
         setup_process(cfg.run.seed, device)
-        self.run_dir = Path(resume_dir or cfg.run.output_dir or
-                            Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # a fresh run gets a directory no other run holds (rl/run_dir.py); a resumed one keeps its own
+        self.run_dir = Path(resume_dir) if resume_dir else new_run_dir(cfg.run.output_dir)
         ckpt = latest_checkpoint(self.run_dir) if resume_dir else None
         ckpt_state = check_checkpoint(ckpt) if ckpt is not None else None
         self.dtypes = run_dtypes(cfg, device, ckpt_state.get("dtypes") if ckpt_state else None)
@@ -128,7 +129,10 @@ class TrainingRun:
             if spec_states:
                 self.pool.load_spec_state(spec_states)
             print(f"[train] resumed from {ckpt} at step {self.start_step} of {cfg.train.total_steps}", file=sys.stderr)
-        save_config(cfg, self.run_dir / "config.yaml")
+        if ckpt is None:  # config.yaml says what ran: written once, by the run that claims the directory
+            claim(self.run_dir, cfg)
+        else:  # kept as the run started; the resume's overrides are recorded beside it
+            record_overrides(self.run_dir, self.start_step, resume_overrides)
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                     config=config_to_dict(cfg), resume_step=self.start_step if resume_dir else None)
         self.trace = TraceWriter(self.run_dir, resume_step=self.start_step if resume_dir else None)
@@ -138,9 +142,12 @@ class TrainingRun:
             self.logger.log(self.start_step, state.get("metrics", {}))
 
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: list[str] = (), **kw) -> "TrainingRun":
-        """Continue the run in `run_dir` from its latest checkpoint, with its saved config (+ overrides)."""
-        return cls(load_config(check_resume_dir(run_dir) / "config.yaml", overrides), resume_dir=run_dir, **kw)
+    def resume(cls, run_dir: str | Path, overrides: Sequence[str] = (), **kw) -> "TrainingRun":
+        """Continue the run in `run_dir` from its latest checkpoint, with its saved config, the overrides of
+        its earlier resumes and then `overrides` (recorded in its overrides.jsonl: rl/run_dir.py)."""
+        run_dir = check_resume_dir(run_dir)
+        cfg = load_config(run_dir / CONFIG, recorded_overrides(run_dir) + list(overrides))
+        return cls(cfg, resume_dir=run_dir, resume_overrides=overrides, **kw)
 
     def _rollout(self, prompts: list[Prompt], n: int, params: SamplingParams, tag: str,
                  step: int | None = None) -> RolloutResult:

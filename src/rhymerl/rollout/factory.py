@@ -7,13 +7,31 @@ so a local run, `generate`, `report` and the benches that need no Ray work where
 from __future__ import annotations
 
 import os
+import socket
 
 from rhymerl.cost_model import CostModel
+from rhymerl.errors import UserError
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.rollout.local import LocalPool
 from rhymerl.rollout.types import RolloutPool
 from rhymerl.rollout.worker import RolloutWorker, WorkerConfig
+
+
+def check_ray_address(address: str, timeout_s: float = 3.0) -> None:
+    """UserError, in one line, when `ray.address` is host:port (or ray://host:port) and nothing accepts a
+    connection there within `timeout_s`: `ray.init` would retry for minutes, printing a screen of warnings,
+    before it gave up. '' (a fresh local cluster) and 'auto' (Ray finds it) are left to Ray."""
+    if address in ("", "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e) or type(e).__name__)
+        raise UserError(f"ray.address={address}: no Ray cluster answers at {host}:{port} ({why}); start one "
+                        f"there with `ray start --head --port={port}`, or set ray.address='' for a fresh local "
+                        f"one") from None
 
 
 def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder, tokenizer,
@@ -44,7 +62,12 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
     if backend == "ray":
         from rhymerl.rollout import ray_pool  # the optional backend's import, where it is chosen
 
-        ray_pool.connect(ray_address)
+        check_ray_address(ray_address)
+        try:
+            ray_pool.connect(ray_address)
+        except ConnectionError as e:  # e.g. 'auto' with no cluster running on this machine
+            raise UserError(f"ray.address={ray_address}: {str(e).splitlines()[0]}; start the cluster with "
+                            f"`ray start --head`, or set ray.address='' for a fresh local one") from None
         return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
                                 device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
                                 max_restarts=max_worker_restarts, schedule=schedule, migration=migration)

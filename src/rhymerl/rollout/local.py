@@ -1,11 +1,12 @@
 """The in-process rollout pool: one worker, no services (the default, `rollout.backend=local`).
 
-Faults: an exception inside the worker's rollout leaves its engine in an unknown state (slots
-held, a half-built step), so the pool rebuilds the worker (`RolloutWorker` on the failed one's model, i.e.
-the current weights, and its cost model; a fresh engine, HistoSpec state and history replica, as a Ray
-worker restarted after a failure) and runs the call's groups again: keyed randomness makes them the same
-tokens. Past `max_restarts` rebuilds (`rollout.max_worker_restarts`) no worker is left and the call raises.
-A `StaleWeightsError` is the caller's mistake, not a fault: it is raised at once.
+Faults, the policy both backends follow (`ray_pool` too): an exception inside the worker's rollout (an
+out-of-memory error, say) leaves its engine in an unknown state (slots held, a half-built step), so the pool
+rebuilds the worker (`RolloutWorker` on the failed one's model, i.e. the current weights, and its cost model;
+a fresh engine, HistoSpec state and history replica, as a Ray worker restarted after a failure) and runs the
+call's groups again: keyed randomness makes them the same tokens. Past `max_restarts` rebuilds
+(`rollout.max_worker_restarts`) no worker is left and the call raises `WorkersFailed`, one line naming the
+fault. A `StaleWeightsError` is the caller's mistake, not a fault: it is raised at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.history import HistoryStore
-from rhymerl.rollout.types import RolloutGroup, RolloutResult, StaleWeightsError
+from rhymerl.rollout.types import RolloutGroup, RolloutResult, StaleWeightsError, WorkersFailed, first_line
 from rhymerl.rollout.worker import RolloutWorker
 
 
@@ -50,11 +51,11 @@ class LocalPool:
 
     def _rebuild(self, error: Exception) -> None:
         """After the worker's rollout raised `error`: a fresh worker on its model (the current weights) and
-        cost model, or, past `max_restarts`, RuntimeError (chained to `error`)."""
-        why = f"raised {type(error).__name__}: {error}"
+        cost model, or, past `max_restarts`, WorkersFailed (chained to `error`)."""
+        why = f"raised {type(error).__name__}: {first_line(error)}"
         if self.restarts[0] >= self.max_restarts:
-            raise RuntimeError(f"rollout worker {self.worker.worker_id} {why}, after {self.max_restarts} restarts "
-                               f"(rollout.max_worker_restarts), and no rollout worker is left") from error
+            raise WorkersFailed(f"rollout worker {self.worker.worker_id} {why}, after {self.max_restarts} restarts "
+                                f"(rollout.max_worker_restarts), and no rollout worker is left") from error
         self.restarts[0] += 1
         print(f"[rollout] worker {self.worker.worker_id} {why}: rebuilding it ({self.restarts[0]}/"
               f"{self.max_restarts}, rollout.max_worker_restarts) and running its requests again", file=sys.stderr)

@@ -5,19 +5,19 @@
 - **Cluster**: `connect(address)`: '' starts a fresh local cluster (`ray.init(address="local")`, never a
   stray one that happens to run), 'auto' or 'host:port' joins a running one (`ray start --head`). A process
   already connected (a test's cluster) keeps its connection.
-- **Workers**: each actor gets its share of the cluster's CPUs (`worker_resources`; one GPU each on CUDA)
-  and what it needs to build its worker (see `ray_actor`).
+- **Workers**: each actor gets its share of the cluster's CPUs (`worker_resources`; one GPU each on CUDA:
+  more workers than GPUs are refused, Ray would wait forever) and what it needs to build its worker.
 - **Weights**: `load_weights` puts them in the object store once (cast to the rollout dtype, on the CPU) and
   every worker loads that one object; a worker refuses a rollout on any other version than the one it holds
   (`StaleWeightsError`, raised through Ray).
 - **History**: the pool's `history` is the truth (the loop's, checkpointed). Each call sends a worker the
   slice its prompts need (`HistoryStore.export`), which it merges into its replica; `record` writes to the
   truth only. No reference is shared across processes.
-- **Faults**: a worker whose actor dies (killed, out of memory) or does not answer within `timeout_s` is
-  replaced by a fresh actor on the current weights, and its groups of the call run again there: keyed
-  randomness makes them the same tokens, so the call returns every response once, as undisturbed. A
-  worker that fails more than `max_restarts` times is dropped and its groups go to the others; the call
-  fails only when no worker is left.
+- **Faults**, as in `local.py`: a worker whose rollout raises (out of memory, say: its engine's state is
+  then unknown), whose actor dies or which does not answer within `timeout_s` is replaced by a fresh actor on
+  the current weights, and its groups of the call run again there: keyed randomness makes them the same
+  tokens. A worker that fails more than `max_restarts` times is dropped and its groups go to the others; the
+  call fails (`WorkersFailed`, one line) only when no worker is left. `StaleWeightsError` is raised at once.
 - **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
   `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (predicted
   lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
@@ -40,7 +40,7 @@ from typing import NamedTuple, Sequence
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
@@ -52,7 +52,9 @@ from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 # The actor moved to ray_actor; WorkerActor and worker_resources stay importable from here.
 from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
-from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
+from rhymerl.errors import UserError
+from rhymerl.rollout.types import (RolloutGroup, RolloutResult, StaleWeightsError, WorkersFailed, WorkerStats,
+                                    first_line)
 from rhymerl.rollout.worker import WorkerConfig
 
 
@@ -79,6 +81,12 @@ def connect(address: str = "") -> None:
 # sequences costing 3x one of 1, the shape of a small model on a few CPU cores. Only its shape matters to the
 # plan: how much a step slows with the sequences it runs.
 DEFAULT_PLAN_COST = CostModel([1, 64], [1, 2], [[0.010, 0.011], [0.030, 0.050]])
+
+
+def _cause(error: RayTaskError) -> str:
+    """'Type: first line' of the exception a remote call raised (Ray wraps it with the remote traceback)."""
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {first_line(cause)}"
 
 
 def _last_line(error: Exception) -> str:
@@ -112,9 +120,14 @@ class RayPool:
         self.max_restarts = max_restarts
         self.weights_version = 0
         self.restarts = [0] * num_workers  # replacements of each worker so far
+        resources = ray.cluster_resources()
+        cpus, gpus, self.threads = worker_resources(num_workers, device, resources.get("CPU", 1.0))
+        if gpus and resources.get("GPU", 0) < num_workers * gpus:
+            raise UserError(f"rollout.num_workers={num_workers}: each rollout worker on CUDA takes a GPU, and the "
+                            f"Ray cluster has {resources.get('GPU', 0):g} (Ray would wait for more forever): set "
+                            f"rollout.num_workers to at most that, or add GPU nodes to the cluster")
         self._dtype = parse_dtype(config.dtype)
         self._weights = self._put({name: p for name, p in policy.named_parameters()})
-        cpus, gpus, self.threads = worker_resources(num_workers, device, ray.cluster_resources().get("CPU", 1.0))
         self._new_actor = WorkerActor.options(num_cpus=cpus, num_gpus=gpus).remote
         self._args = (str(model_dir), ray.put(tokenizer), config, seed, device, self.threads)
         self._cost_model = cost_model
@@ -154,8 +167,8 @@ class RayPool:
                 ray.kill(self.actors[worker], no_restart=True)
         del self.actors[worker], self.pids[worker]
         if not self.actors:  # one error, not chained to Ray's (raised while handling it): `why` says what it was
-            raise RuntimeError(f"rollout worker {worker} {why} after {self.max_restarts} restarts "
-                               f"(rollout.max_worker_restarts) and no rollout worker is left") from None
+            raise WorkersFailed(f"rollout worker {worker} {why} after {self.max_restarts} restarts "
+                                f"(rollout.max_worker_restarts) and no rollout worker is left") from None
         print(f"[rollout] worker {worker} {why} after {self.max_restarts} restarts (rollout.max_worker_restarts): "
               f"dropped; {len(self.actors)} workers go on", file=sys.stderr)
         return False
@@ -206,7 +219,7 @@ class RayPool:
         for w, ref in refs.items():
             try:
                 ray.get(ref, timeout=self.timeout_s)
-            except (RayActorError, GetTimeoutError) as e:  # a fresh actor starts on these weights
+            except (RayActorError, RayTaskError, GetTimeoutError) as e:  # a fresh actor starts on these weights
                 self._recover(w, f"failed to load weights version {version} ({type(e).__name__})")
 
     def record(self, prompt_ids: list[int], responses: list[list[int]],
@@ -296,6 +309,10 @@ class _Call:
             del self.pending[k]
         except RayActorError as e:
             self._failed(self.pending[k].worker, f"died ({type(e).__name__})")
+        except StaleWeightsError:  # raised through Ray: the caller's mistake, not the worker's fault
+            raise
+        except RayTaskError as e:  # its rollout raised: as in the local pool, a fresh worker runs it again
+            self._failed(self.pending[k].worker, f"raised {_cause(e)}")
         else:
             self._migrate(self.done[k][1].worker)
 

@@ -15,6 +15,18 @@ class StaleWeightsError(RuntimeError):
     """A worker was asked to roll out on weights of another version than the ones it holds."""
 
 
+def first_line(error: BaseException) -> str:
+    """`error`'s message up to its first line break (an out-of-memory error's runs on for lines), or its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class WorkersFailed(RuntimeError):
+    """No rollout worker is left: each failed (its rollout raised, its actor died or did not answer) more than
+    `rollout.max_worker_restarts` times. One line naming the last fault and the key; the run stops there, its
+    last checkpoint intact (`rhymerl` prints it as `rhymerl: error: ...`, exit code 1)."""
+
+
 @dataclass
 class RolloutGroup:
     """One prompt's requests: the `num_generations` siblings of a GRPO group (they share the prompt's prefill
