@@ -33,11 +33,14 @@ Cost = Callable[..., float]  # cost(tokens, seqs) -> seconds of one forward, lik
 @dataclass(frozen=True)
 class ContextCost:
     """A forward-time model plus attention's cost of the context: `forward(tokens, seqs)` seconds of a step
-    at short contexts (a `CostModel`), and `per_key` seconds per key each decoding sequence attends to.
+    at short contexts (a `CostModel`), `per_key` seconds per key each decoding sequence attends to, and
+    `prefill_per_pair` seconds per (query, key) pair of a causal prefill (a migrated request re-prefills its
+    generated tokens: n (n + 1) / 2 pairs, far cheaper each than a decode step's keys, being matrix work).
     Callable like `forward`, so it goes wherever a cost model goes; `per_key_cost` reads its term."""
 
     forward: Cost
     per_key: float = 0.0
+    prefill_per_pair: float = 0.0
 
     def __call__(self, tokens: int, seqs: int = 1) -> float:
         return self.forward(tokens, seqs)

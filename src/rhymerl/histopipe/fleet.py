@@ -4,9 +4,8 @@
 worker that runs out of work takes requests from others mid-step. This is the same batching model (fixed
 slots, a freed slot refilled for the next step, a step of n sequences costing `step_cost[n]` plus attention)
 driven by one clock over all workers: each worker's next event is its next finish; a moved request leaves
-its worker at that worker's next step boundary and, on its new worker, first re-prefills its prompt's
-share (left out, as everywhere here) and the tokens it has generated (`cost(tokens, 1)` plus their
-attention), then decodes on. Without migration it gives `run_worker`'s times exactly (tested).
+its worker at that worker's next step boundary and, on its new worker, first re-prefills the tokens it has
+generated (the prompt left out, as everywhere here; `reprefill`), then decodes on. Without migration it gives `run_worker`'s times exactly (tested).
 
 Rules (`migration`):
 - "half_busiest" (what `rollout.migration` does today): a worker out of work takes half the unfinished
@@ -15,7 +14,13 @@ Rules (`migration`):
 - "tail" (the paper's): a request is moved when it is in its group's tail, among the last `tail_share` of
   the group's requests still unfinished, and has grown past (1 + `grow`) x its prompt's history prediction
   (its group's predicted longest member). Each worker out of work takes one such request, from the worker
-  running the most sequences; a request alone on its worker is left there (moving it gains nothing).
+  running the most sequences; a request alone on its worker is left there (moving it gains nothing);
+- "steal": a worker whose own queue has run dry while it has a free slot takes waiting requests (never
+  running ones: nothing to re-prefill, nothing to hand over but the request) from the back of the longest
+  queue (longest-first admission leaves the shortest predicted there), half of that queue up to its free
+  slots. The plan balanced predicted work; this evens out what the predictions got wrong while there is
+  still waiting work to move. Moved siblings no longer share their group's worker.
+Rules combine with "+" (e.g. "steal+tail").
 
 Every finish is reported to `predictor.observe_finished` when a predictor is given, and the running
 requests' predicted lengths are then its live `predict` (what "furthest past predicted" reads).
@@ -28,11 +33,11 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, run_cost
+from rhymerl.histopipe.batching import ContextCost, Cost, decode_costs, per_key_cost, run_cost
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.timeline import Timeline
 
-MIGRATIONS = ("half_busiest", "tail")
+MIGRATIONS = ("half_busiest", "tail", "steal", "steal+tail")
 
 
 class _Worker:
@@ -56,7 +61,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     """Run one sync step of `assignment` (per worker, its pieces in admission order) on the true `lengths`
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
     request lengths (its history's). Returns the timeline and the number of requests moved."""
-    if migration is not None and migration not in MIGRATIONS:
+    rules = set(migration.split("+")) if migration else set()
+    if migration is not None and not rules <= {"half_busiest", "tail", "steal"}:
         raise ValueError(f"unknown migration {migration!r}; choose from {', '.join(MIGRATIONS)}")
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     reqs = [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]
@@ -75,12 +81,45 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     candidates: set[int] = set()  # "tail": requests in their group's tail, grown past their threshold
     idle: set[int] = set()  # workers out of work
 
+    prefill_pair = cost_model.prefill_per_pair if isinstance(cost_model, ContextCost) else 0.0
+
+    def reprefill(tokens: float) -> float:
+        """Seconds to re-prefill `tokens` generated tokens on the new worker: each at a full decode batch's
+        per-token cost (a prefill is at least as efficient), plus the causal attention's pairs."""
+        return tokens * step_cost[slots] / slots + prefill_pair * tokens * (tokens + 1) / 2
+
     def live_prediction(r: int) -> float:
         g = reqs[r][0]
         return predictor.predict(keys[g]) if predictor is not None else max(predicted[g])
 
+    queues = [(-len(wk.queue), w) for w, wk in enumerate(workers)]  # lazy heap: the longest queue first
+    heapq.heapify(queues)
+
+    def steal(w: int) -> None:  # w's queue is dry and it has free slots: take from the longest queue
+        nonlocal moved
+        while queues:
+            size, v = heapq.heappop(queues)
+            now_size = len(workers[v].queue)
+            if -size != now_size:  # stale (the queue has shrunk since): put it back at its size
+                if now_size:
+                    heapq.heappush(queues, (-now_size, v))
+                continue
+            if now_size < 2:  # the longest queue holds one request at most: leave it
+                heapq.heappush(queues, (size, v))
+                return
+            n = min(slots - len(workers[w].running), now_size // 2)
+            for _ in range(n):
+                r = workers[v].queue.pop()
+                workers[w].queue.append(r)
+                where[r] = w
+            moved += n
+            heapq.heappush(queues, (-(now_size - n), v))
+            return
+
     def schedule(w: int) -> None:
         wk = workers[w]
+        if "steal" in rules and not wk.queue and len(wk.running) < slots:
+            steal(w)
         while wk.queue and len(wk.running) < slots:  # refill the free slots before the next step
             r = wk.queue.popleft()
             pay = wk.prefill.pop(r, 0.0)
@@ -94,7 +133,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             wk.admitted[r] = wk.step - done
             wk.key_base += wk.admitted[r]
             heapq.heappush(wk.running, (wk.step + length[r] - done, r))
-            if migration == "tail" and unfinished[reqs[r][0]] <= tail[reqs[r][0]]:
+            if "tail" in rules and unfinished[reqs[r][0]] <= tail[reqs[r][0]]:
                 heapq.heappush(wk.watch, (wk.admitted[r] + threshold[r], r))
         if not wk.occupancy or wk.occupancy[-1][1] != len(wk.running):
             wk.occupancy.append((wk.clock, len(wk.running)))
@@ -119,7 +158,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             wk.key_base -= wk.admitted.pop(r)
             unfinished[g] -= 1
             candidates.discard(r)
-            if migration == "tail" and unfinished[g] == tail[g]:  # the group's tail begins: watch its members
+            if "tail" in rules and unfinished[g] == tail[g]:  # the group's tail begins: watch its members
                 for j in range(len(lengths[g])):
                     q = rid[(g, j)]
                     o = workers[where[q]]
@@ -159,7 +198,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                 done = s.step - s.admitted.pop(r)
                 s.key_base -= s.step - done
                 d.carried[r] = done
-                d.prefill[r] = cost_model(int(done), 1) + per_key * done * (done + 1) / 2 if done else 0.0
+                d.prefill[r] = reprefill(done)
             else:
                 s.queue.remove(r)
             d.queue.append(r)
@@ -176,7 +215,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         busy = [w for w, wk in enumerate(workers) if wk.running or wk.queue]
         if not busy:
             return
-        if migration == "half_busiest":
+        if "half_busiest" in rules:
             src = max(busy, key=lambda w: (len(workers[w].running) + len(workers[w].queue), -w))
             boundary(src, now)
             s = workers[src]
@@ -214,13 +253,13 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             if p != w:
                 schedule(p)
         pending.clear()
-        if migration is None:
+        if not rules - {"steal"}:
             continue
         if not wk.running and not wk.queue:
             idle.add(w)
-            if migration == "half_busiest":  # asked once, when the worker runs out (as the Ray pool does)
+            if "half_busiest" in rules:  # asked once, when the worker runs out (as the Ray pool does)
                 migrate(w, t)
-        if migration == "tail" and idle and (w in idle or len(candidates) > had):
+        if "tail" in rules and idle and (w in idle or len(candidates) > had):
             for i in sorted(idle):
                 if not candidates:
                     break

@@ -59,7 +59,8 @@ def plan(groups: Sequence[int], num_workers: int, policy: str = "histopipe",
         true_lengths: per group, each request's true length: `oracle` only (the simulator passes it for
             `oracle` and for nothing else, so no other policy can peek).
         balance: `least_loaded`'s measure of work, "requests" (the fair baseline) or "predicted".
-        improve_rounds: `histopipe`/`oracle`: most moves of the local-improvement pass (default 4 x workers).
+        improve_rounds: `histopipe`/`oracle`: most moves of the local-improvement pass (default 4 x workers,
+            at most IMPROVE_ROUNDS_MAX).
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -99,6 +100,7 @@ def plan_pieces(groups: Sequence[int], num_workers: int, policy: str = "histopip
 
 
 IMPROVE_ROUNDS_MAX = 256  # the local-improvement pass's default cap: each round costs O(groups of two workers^2)
+IMPROVE_GAIN = 1e-3  # a move or swap must bring the pair this share below the last finish: no hair-splitting
 
 
 def _rounds(improve_rounds: int | None, num_workers: int) -> int:
@@ -212,7 +214,7 @@ def improve(workers: list[list[int]], finish: Callable[[list[int]], float], posi
                         continue  # cannot beat what we have: skip the other half's timing
                     t_src = finish(new_src)
                     later = max(t_src, t_dst)
-                    if later < worst * (1 - 1e-12) and (best is None or later < best[0]):
+                    if later < worst * (1 - IMPROVE_GAIN) and (best is None or later < best[0]):
                         best = (later, dst, new_src, new_dst, t_src, t_dst)
         if best is None:
             return

@@ -12,8 +12,8 @@ The model: prompt p has a level z_p (a standard normal; its log-length median is
 its responses at global step t are exp(log(median) + sigma_b z_p + sigma_w e) x (1 + drift t / drift_steps),
 e standard normal, cut at the cap. sigma_w (`group_spread`, the spread inside a group) is an assumption; sigma_b
 makes the total spread give the p99 / median ratio. At each epoch a prompt makes a rank shift with probability
-`shift_share`: its level moves to a quantile more than `shift_gap` away from its own. Every draw is keyed by
-(seed, prompt, epoch), so a step's lengths do not depend on which other steps were generated.
+`shift_share`: its level moves to a quantile more than `shift_gap` away from its own. Every draw comes from
+a stream keyed by (seed, prompt), so a step's lengths do not depend on which other steps were generated.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class Workload:
     def __init__(self, params: Rhyming, prompts_per_step: int, seed: int = 0):
         self.params, self.per_step, self.seed = params, prompts_per_step, seed
         self.num_prompts = params.epoch_steps * prompts_per_step
-        self._levels: dict[int, list[float]] = {}  # prompt -> its level at epochs 0, 1, ...
+        # prompt -> (its random stream, per epoch: (its level z, its group's log-length noises))
+        self._prompts: dict[int, tuple[random.Random, list[tuple[float, list[float]]]]] = {}
         self._orders: dict[int, list[int]] = {}  # epoch -> the prompts in the order the sampler hands them out
 
     def order(self, epoch: int) -> list[int]:
@@ -94,35 +95,39 @@ class Workload:
             self._orders[epoch] = order
         return self._orders[epoch]
 
+    def _epoch(self, prompt: int, epoch: int) -> tuple[float, list[float]]:
+        """Prompt `prompt`'s level z (a standard normal) in `epoch` and its group's noises: one keyed stream
+        per prompt, drawn epoch after epoch, so that any query order gives the same values."""
+        if prompt not in self._prompts:
+            self._prompts[prompt] = (random.Random(f"{self.seed}:prompt:{prompt}"), [])
+        rng, epochs = self._prompts[prompt]
+        p = self.params
+        while len(epochs) <= epoch:
+            if not epochs:
+                z = rng.gauss(0.0, 1.0)
+            else:
+                z = epochs[-1][0]
+                shift, u = rng.random(), rng.random()  # both drawn every epoch: the stream stays aligned
+                if shift < p.shift_share:  # a rank shift: a new quantile uniform over [0, 1] less (q +- gap)
+                    q, gap = _N.cdf(z), p.shift_gap
+                    below, above = max(q - gap, 0.0), max(1.0 - (q + gap), 0.0)
+                    u *= below + above
+                    new = u if u < below else q + gap + (u - below)
+                    z = _N.inv_cdf(min(max(new, 1e-9), 1 - 1e-9))
+            epochs.append((z, [rng.gauss(0.0, p.group_spread) for _ in range(p.num_generations)]))
+        return epochs[epoch]
+
     def level(self, prompt: int, epoch: int) -> float:
-        """Prompt `prompt`'s level z (a standard normal) in `epoch`: its start, then a rank shift at each epoch
-        with probability shift_share (one keyed stream per prompt, so any query order gives the same)."""
-        levels = self._levels.setdefault(prompt, [])
-        if not levels:
-            rng = random.Random(f"{self.seed}:level:{prompt}")
-            levels.append(rng.gauss(0.0, 1.0))
-            self._levels[prompt] = levels
-        while len(levels) <= epoch:
-            rng = random.Random(f"{self.seed}:shift:{prompt}:{len(levels)}")
-            z = levels[-1]
-            if rng.random() < self.params.shift_share:
-                q, gap = _N.cdf(z), self.params.shift_gap
-                # a new quantile uniform over [0, 1] less (q - gap, q + gap)
-                below, above = max(q - gap, 0.0), max(1.0 - (q + gap), 0.0)
-                u = rng.random() * (below + above)
-                new = u if u < below else q + gap + (u - below)
-                z = _N.inv_cdf(min(max(new, 1e-9), 1 - 1e-9))
-            levels.append(z)
-        return levels[epoch]
+        """Prompt `prompt`'s level z in `epoch` (see the module doc)."""
+        return self._epoch(prompt, epoch)[0]
 
     def lengths(self, prompt: int, epoch: int, step: int) -> list[int]:
         """The group's response lengths of `prompt` in `epoch`, run at global step `step` (for the drift)."""
         p = self.params
-        rng = random.Random(f"{self.seed}:lengths:{prompt}:{epoch}")
-        mu = math.log(p.median) + p.between_sigma() * self.level(prompt, epoch)
+        z, noise = self._epoch(prompt, epoch)
+        mu = math.log(p.median) + p.between_sigma() * z
         scale = 1.0 + p.drift * step / p.drift_steps
-        return [min(p.cap, max(1, round(math.exp(mu + p.group_spread * rng.gauss(0.0, 1.0)) * scale)))
-                for _ in range(p.num_generations)]
+        return [min(p.cap, max(1, round(math.exp(mu + e) * scale))) for e in noise]
 
     def step(self, t: int) -> list[tuple[str, list[int]]]:
         """Global step t's groups, in the sampler's order: (prompt key, its response lengths)."""
