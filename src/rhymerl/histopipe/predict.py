@@ -17,6 +17,7 @@ from rhymerl.histopipe.censored import expected_length, fit_location, pooled_sig
 from rhymerl.history import HistoryStore, prompt_key
 
 Prompt = Sequence[int] | str  # token ids, or their key (`rhymerl.history.prompt_key`)
+SHIFT_Z = 3.0  # a last rollout this many standard errors from the older ones: the prompt has shifted
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -62,7 +63,8 @@ class LengthPredictor:
         statistic: how a prompt's recorded lengths become one prediction. "lognormal" (the default): a
             lognormal fitted to them with the lengths at `cap` censored (lower bounds; `censored`), the
             prediction a request's expected length once cut at the cap. Or, without censoring, "mean",
-            "max", "median" or a quantile q in [0, 1] of the recorded lengths.
+            "max", "median" or a quantile q in [0, 1] of the recorded lengths. A prompt whose last rollout
+            moved far from its older ones (a rank shift) is fitted to its last rollout alone.
         max_rollouts: rollouts remembered per prompt (older ones are dropped), like the history store's K.
         prior_quantile: the quantile statistics' prior: a prompt with no history is predicted at this
             quantile of every recorded length (all prompts, all remembered rollouts, and the siblings seen
@@ -203,13 +205,25 @@ class LengthPredictor:
         sigma, mus, prior = self._lognormal()
         return (mus[key], sigma) if key in mus else prior
 
+    def _location(self, rollouts: list[list[int]], sigma: float) -> float:
+        """A prompt's level: fitted to all its remembered rollouts, or to its last one alone when that one
+        moved from the older ones by more than SHIFT_Z standard errors (a rank shift: the older rollouts
+        would drag the prediction back to where the prompt was)."""
+        every = fit_location([n for r in rollouts for n in r], sigma, self.cap)
+        if len(rollouts) < 2:
+            return every
+        older = [n for r in rollouts[:-1] for n in r]
+        last = fit_location(rollouts[-1], sigma, self.cap)
+        error = sigma * math.sqrt(1 / len(rollouts[-1]) + 1 / len(older))
+        return last if abs(last - fit_location(older, sigma, self.cap)) > SHIFT_Z * error else every
+
     def _lognormal(self) -> tuple[float, dict[str, float], tuple[float, float] | None]:
         """The censored fit of every prompt (cached until the next record): the pooled within-prompt sigma,
         each prompt's location, and the prior (mu, sigma) of a prompt without history (None: no data)."""
         if self._fit is None:
-            groups = {k: [n for r in rollouts for n in r] for k, rollouts in self._history.items()}
-            sigma = pooled_sigma(list(groups.values()), self.cap)
-            mus = {k: fit_location(ls, sigma, self.cap) for k, ls in groups.items()}
+            # the spread inside a group (each rollout around its own level: a prompt's shift is not spread)
+            sigma = pooled_sigma([r for rollouts in self._history.values() for r in rollouts], self.cap)
+            mus = {k: self._location(rollouts, sigma) for k, rollouts in self._history.items()}
             prior = None
             if mus:
                 mean = sum(mus.values()) / len(mus)
