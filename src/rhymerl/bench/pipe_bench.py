@@ -43,22 +43,30 @@ from rhymerl.histopipe.trace import read_trace  # noqa: F401 (re-exported, as be
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "histopipe" / "traces" / "default.jsonl"
 
 
-def context_cost(spec: str, model: str, dtype: str, device: str | None, slots: int) -> tuple[float, float, dict]:
+def context_cost(spec: str, cost_from: str, model: str, dtype: str, device: str | None,
+                 slots: int) -> tuple[float, float, dict]:
     """`--context-cost`: attention's seconds per key per decoding sequence and per prefill pair
-    (`batching.ContextCost`): "measure" (`pipe_context.measure_per_key` on the model's shapes) or a number
-    for both terms' decode side (0: contexts unpriced; the prefill pairs then 0 too); and what the summary
-    says of it."""
-    if spec == "measure":
+    (`batching.ContextCost`), and what the summary says of them. "auto": measured
+    (`pipe_context.measure_per_key`, on the model's shapes) when the cost model is (`--cost-from measure`),
+    else the cost file's `per_key_s` / `prefill_per_pair_s` (what this bench's JSON holds under cost_model),
+    else 0 (contexts unpriced, said so). "measure": measured. "SECONDS[,PAIR_SECONDS]": given."""
+    if spec == "auto" and cost_from != "measure":
+        saved = json.loads(Path(cost_from).read_text(encoding="utf-8"))
+        per_key, per_pair = float(saved.get("per_key_s", 0.0)), float(saved.get("prefill_per_pair_s", 0.0))
+        return per_key, per_pair, {"per_key_s": per_key, "prefill_per_pair_s": per_pair,
+                                   "how": f"from {cost_from}" if per_key else "contexts unpriced (none in the file)"}
+    if spec in ("auto", "measure"):
         measured = measure_per_key(model, dtype, device, seqs=slots)
         return measured["per_key_s"], measured["prefill_per_pair_s"], measured
     try:
-        per_key = float(spec)
+        values = [float(x) for x in spec.split(",")]
     except ValueError:
-        raise UserError(f"--context-cost {spec}: give measure or seconds per key (>= 0)") from None
-    if not per_key >= 0:
-        raise UserError(f"--context-cost {spec}: seconds per key must be >= 0")
-    return per_key, 0.0, {"per_key_s": per_key, "prefill_per_pair_s": 0.0,
-                          "how": "given" if per_key else "contexts unpriced (--context-cost 0)"}
+        values = []
+    if len(values) not in (1, 2) or not all(v >= 0 for v in values):
+        raise UserError(f"--context-cost {spec}: give auto, measure, or SECONDS[,PAIR_SECONDS] (each >= 0)")
+    per_key, per_pair = values[0], values[1] if len(values) == 2 else 0.0
+    return per_key, per_pair, {"per_key_s": per_key, "prefill_per_pair_s": per_pair,
+                               "how": "given" if per_key else "contexts unpriced (--context-cost 0)"}
 
 
 # ------------------------------------------------------------------------------------------- the cost model
@@ -103,7 +111,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         real: bool = True, repeats: int = 3, real_prompts: int = 16, num_generations: int = 4,
         real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
         ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
-        out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "measure",
+        out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
         tier2: bool = True) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
@@ -124,7 +132,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     else:
         cost_model = load_cost_model(cost_from)
     progress.stage(f"attention's cost per key ({context})")
-    per_key, per_pair, context_info = context_cost(context, model, dtype, device, slots)
+    per_key, per_pair, context_info = context_cost(context, str(cost_from), model, dtype, device, slots)
     log(f"long contexts: {per_key:.3g} s per key per decoding sequence, {per_pair:.3g} s per prefill pair "
         f"({context_info['how']})")
     priced = ContextCost(cost_model, per_key, per_pair)
@@ -138,7 +146,8 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     summary = {"sim": sim.pop("workers"),
                "sim_info": {**sim, "slots": slots, "mode": "sync", "modes": list(modes), "run_steps": run_steps,
                             "train_s": train_s},
-               "trace": str(trace), "cost_from": str(cost_from), "cost_model": cost_model.as_dict(),
+               "trace": str(trace), "cost_from": str(cost_from),
+               "cost_model": cost_model.as_dict() | {"per_key_s": per_key, "prefill_per_pair_s": per_pair},
                "context_cost": context_info,
                "out": str(out)}
     if real:

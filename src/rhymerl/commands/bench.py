@@ -69,7 +69,7 @@ def cmd_bench_pipe(args) -> int:
             rhyming = Rhyming(**values)
         except ValueError as e:
             raise UserError(f"--rhyming-*: {e}") from None
-    if args.cost_from == "measure" or args.real or args.context_cost == "measure":
+    if args.cost_from == "measure" or args.real or args.context_cost == "measure":  # auto measures with cost
         setup(args)
     summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device, workers, args.slots,
                              args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
@@ -168,9 +168,11 @@ def add_parser(sub) -> None:
                     help="a run directory or its lengths.jsonl (default: the trace shipped with the package, "
                          "rhymerl/histopipe/traces/default.jsonl), or rhyming: the built-in calibrated workload "
                          "(--rhyming-* options; sources in docs/design.md)")
-    bp.add_argument("--context-cost", default="measure", metavar="measure|SECONDS",
-                    help="attention's seconds per key per sequence in the simulation: measured (SDPA on --model's "
-                         "shapes, extrapolated linearly past 4,096 keys) or given (0: contexts unpriced)")
+    bp.add_argument("--context-cost", default="auto", metavar="auto|measure|SECONDS[,PAIR_SECONDS]",
+                    help="attention in the simulation: seconds per key per decoding sequence (and per pair of a "
+                         "migrated request's re-prefill): measured (SDPA on --model's shapes, extrapolated "
+                         "linearly past 4,096 keys), given (0: contexts unpriced), or auto: measured with the "
+                         "cost model, else the --cost-from file's per_key_s / prefill_per_pair_s, else 0")
     bp.add_argument("--tier2", action=argparse.BooleanOptionalAction, default=True,
                     help="histopipe and oracle may split a long group over several workers (HistoPipe's tier 2)")
     for key, kind, default, what in pipe_rhyming.OPTIONS:
