@@ -28,24 +28,41 @@ def _upper_mean(a: float) -> float:
     return _N.pdf(a) / tail
 
 
+Stats = tuple[int, float, float, int]  # (uncensored count, their log-lengths' sum, sum of squares, censored count)
+
+
+def log_stats(lengths: Sequence[float], cap: float | None) -> Stats:
+    """What the fits need of some lengths (those >= `cap` censored), kept per rollout by the predictor so that
+    a refit does not take logarithms again."""
+    logs = [math.log(max(float(n), 1.0)) for n in lengths if cap is None or n < cap]
+    return len(logs), sum(logs), sum(y * y for y in logs), len(lengths) - len(logs)
+
+
+def merged(stats: Sequence[Stats]) -> Stats:
+    """The stats of several sets of lengths together."""
+    return (sum(x[0] for x in stats), sum(x[1] for x in stats), sum(x[2] for x in stats), sum(x[3] for x in stats))
+
+
 def fit_location(lengths: Sequence[float], sigma: float, cap: float | None) -> float:
     """The location mu (of log-lengths) of a normal with spread `sigma` fitted to `lengths`, those >= `cap`
     censored (lower bounds), by EM. All censored: the location is held at log(cap) + sigma, a length past
     the cap whose size nothing recorded can tell."""
-    logs = [math.log(max(float(n), 1.0)) for n in lengths]
-    if cap is None:
-        return sum(logs) / len(logs)
-    c = math.log(cap)
-    censored = sum(1 for n in lengths if n >= cap)
+    return fit_stats(log_stats(lengths, cap), sigma, cap)
+
+
+def fit_stats(stats: Stats, sigma: float, cap: float | None) -> float:
+    """`fit_location` from `log_stats`."""
+    seen_n, seen, _, censored = stats
     if censored == 0:
-        return sum(logs) / len(logs)
-    if censored == len(lengths):
+        return seen / seen_n
+    c = math.log(cap)
+    if seen_n == 0:
         return c + sigma
-    seen = sum(y for n, y in zip(lengths, logs) if n < cap)
-    mu = sum(logs) / len(logs)
+    total = seen_n + censored
+    mu = (seen + censored * c) / total
     for _ in range(EM_ROUNDS):
         past = mu + sigma * _upper_mean((c - mu) / sigma)  # E[log length | past the cap]
-        new = (seen + censored * past) / len(lengths)
+        new = (seen + censored * past) / total
         if abs(new - mu) < 1e-9:
             break
         mu = new
@@ -53,17 +70,20 @@ def fit_location(lengths: Sequence[float], sigma: float, cap: float | None) -> f
 
 
 def pooled_sigma(groups: Sequence[Sequence[float]], cap: float | None, default: float = 0.5) -> float:
-    """The spread of log-lengths around each prompt's own level, pooled over prompts: the standard deviation
-    of every uncensored log-length around its prompt's mean (prompts with at least two). `default` when
+    """The spread of log-lengths around each group's own level, pooled over groups: the standard deviation
+    of every uncensored log-length around its group's mean (groups with at least two). `default` when
     fewer than two degrees of freedom remain; at least `SIGMA_MIN` (lengths that never vary). Censored lengths
     are left out, which biases it a little low."""
+    return pooled_stats([log_stats(g, cap) for g in groups], default)
+
+
+def pooled_stats(stats: Sequence[Stats], default: float = 0.5) -> float:
+    """`pooled_sigma` from each group's `log_stats`."""
     ss, dof = 0.0, 0
-    for lengths in groups:
-        logs = [math.log(max(float(n), 1.0)) for n in lengths if cap is None or n < cap]
-        if len(logs) >= 2:
-            m = sum(logs) / len(logs)
-            ss += sum((y - m) ** 2 for y in logs)
-            dof += len(logs) - 1
+    for n, total, squares, _ in stats:
+        if n >= 2:
+            ss += max(squares - total * total / n, 0.0)
+            dof += n - 1
     return max(math.sqrt(ss / dof), SIGMA_MIN) if dof >= 2 else default
 
 

@@ -211,31 +211,30 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         d.version += 1
         schedule(dst)
 
-    def migrate(idle_w: int, now: float) -> None:
-        busy = [w for w, wk in enumerate(workers) if wk.running or wk.queue]
-        if not busy:
+    def half_busiest(idle_w: int, now: float) -> None:  # idle_w takes half of the busiest worker's requests
+        src = max(range(len(workers)), key=lambda w: (len(workers[w].running) + len(workers[w].queue), -w))
+        if src == idle_w or not (workers[src].running or workers[src].queue):
             return
-        if "half_busiest" in rules:
-            src = max(busy, key=lambda w: (len(workers[w].running) + len(workers[w].queue), -w))
-            boundary(src, now)
-            s = workers[src]
-            n = (len(s.running) + len(s.queue)) // 2
-            running = sorted((r for _, r in s.running),
-                             key=lambda r: live_prediction(r) - (s.step - s.admitted[r]))
-            picked = (list(s.queue)[::-1] + running)[:n]
-            if picked:
-                take(src, idle_w, picked, now)
-            return
-        # "tail": each worker out of work takes one candidate, from the worker running the most sequences
+        boundary(src, now)
+        s = workers[src]
+        n = (len(s.running) + len(s.queue)) // 2
+        running = sorted((r for _, r in s.running), key=lambda r: live_prediction(r) - (s.step - s.admitted[r]))
+        picked = (list(s.queue)[::-1] + running)[:n]
+        if picked:
+            take(src, idle_w, picked, now)
+
+    def tail_moves(now: float) -> None:  # each idle worker takes one candidate, from the fullest worker first
         ready = sorted((r for r in candidates if len(workers[where[r]].running) >= 2),
                        key=lambda r: (-len(workers[where[r]].running), r))
-        if ready:
-            r = ready[0]
-            src = where[r]
-            boundary(src, now)
-            if r in workers[src].admitted and len(workers[src].running) >= 2:
-                candidates.discard(r)
-                take(src, idle_w, [r], now)
+        for idle_w in sorted(idle):
+            while ready:
+                r = ready.pop(0)
+                src = where[r]
+                if r in workers[src].admitted and len(workers[src].running) >= 2:  # still so after moves
+                    boundary(src, now)
+                    candidates.discard(r)
+                    take(src, idle_w, [r], now)
+                    break
 
     pending: set[int] = set()  # workers whose watches changed off their own events: rescheduled next
     for w in range(len(workers)):
@@ -258,12 +257,9 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         if not wk.running and not wk.queue:
             idle.add(w)
             if "half_busiest" in rules:  # asked once, when the worker runs out (as the Ray pool does)
-                migrate(w, t)
-        if "tail" in rules and idle and (w in idle or len(candidates) > had):
-            for i in sorted(idle):
-                if not candidates:
-                    break
-                migrate(i, t)
+                half_busiest(w, t)
+        if "tail" in rules and idle and candidates and (w in idle or len(candidates) > had):
+            tail_moves(t)
         idle = {i for i in idle if not (workers[i].running or workers[i].queue)}
     worker_of = [0] * len(lengths)
     for pieces_w, pieces in reversed(list(enumerate(assignment))):

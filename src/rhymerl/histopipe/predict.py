@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from rhymerl.histopipe.censored import expected_length, fit_location, pooled_sigma, quantile_length
+from rhymerl.histopipe.censored import Stats, expected_length, fit_stats, log_stats, merged, pooled_stats, quantile_length
 from rhymerl.history import HistoryStore, prompt_key
 
 Prompt = Sequence[int] | str  # token ids, or their key (`rhymerl.history.prompt_key`)
@@ -99,6 +99,7 @@ class LengthPredictor:
         self.default_length = float(default_length)
         self.cap = cap
         self._history: dict[str, list[list[int]]] = {}  # key -> each remembered rollout's lengths, oldest first
+        self._stats: dict[str, list[Stats]] = {}  # key -> each remembered rollout's `censored.log_stats`
         self._seen: dict[str, list[int]] = {}  # key -> lengths of this step's siblings that have finished
         self._prior: float | None = None  # cached; None when it must be recomputed
         self._fit: tuple[float, dict[str, float], tuple[float, float] | None] | None = None  # lognormal, cached
@@ -113,6 +114,7 @@ class LengthPredictor:
         rollouts = self._history.setdefault(key, [])
         rollouts.append([int(n) for n in lengths])
         del rollouts[:-self.max_rollouts]
+        self._stats.pop(key, None)
         self._seen.pop(key, None)  # the group is done: its final lengths supersede what was seen of it
         self._prior, self._fit = None, None
 
@@ -138,6 +140,7 @@ class LengthPredictor:
                 self._history[key] = rollouts
             else:
                 self._history.pop(key, None)
+            self._stats.pop(key, None)
         self._prior, self._fit = None, None
 
     @classmethod
@@ -205,25 +208,31 @@ class LengthPredictor:
         sigma, mus, prior = self._lognormal()
         return (mus[key], sigma) if key in mus else prior
 
-    def _location(self, rollouts: list[list[int]], sigma: float) -> float:
+    def _rollout_stats(self, key: str) -> list[Stats]:
+        if key not in self._stats:
+            self._stats[key] = [log_stats(r, self.cap) for r in self._history[key]]
+        return self._stats[key]
+
+    def _location(self, stats: list[Stats], sigma: float) -> float:
         """A prompt's level: fitted to all its remembered rollouts, or to its last one alone when that one
         moved from the older ones by more than SHIFT_Z standard errors (a rank shift: the older rollouts
         would drag the prediction back to where the prompt was)."""
-        every = fit_location([n for r in rollouts for n in r], sigma, self.cap)
-        if len(rollouts) < 2:
+        every = fit_stats(merged(stats), sigma, self.cap)
+        if len(stats) < 2:
             return every
-        older = [n for r in rollouts[:-1] for n in r]
-        last = fit_location(rollouts[-1], sigma, self.cap)
-        error = sigma * math.sqrt(1 / len(rollouts[-1]) + 1 / len(older))
-        return last if abs(last - fit_location(older, sigma, self.cap)) > SHIFT_Z * error else every
+        older = merged(stats[:-1])
+        last = fit_stats(stats[-1], sigma, self.cap)
+        error = sigma * math.sqrt(1 / (stats[-1][0] + stats[-1][3]) + 1 / (older[0] + older[3]))
+        return last if abs(last - fit_stats(older, sigma, self.cap)) > SHIFT_Z * error else every
 
     def _lognormal(self) -> tuple[float, dict[str, float], tuple[float, float] | None]:
         """The censored fit of every prompt (cached until the next record): the pooled within-prompt sigma,
         each prompt's location, and the prior (mu, sigma) of a prompt without history (None: no data)."""
         if self._fit is None:
             # the spread inside a group (each rollout around its own level: a prompt's shift is not spread)
-            sigma = pooled_sigma([r for rollouts in self._history.values() for r in rollouts], self.cap)
-            mus = {k: self._location(rollouts, sigma) for k, rollouts in self._history.items()}
+            stats = {k: self._rollout_stats(k) for k in self._history}
+            sigma = pooled_stats([r for per_rollout in stats.values() for r in per_rollout])
+            mus = {k: self._location(per_rollout, sigma) for k, per_rollout in stats.items()}
             prior = None
             if mus:
                 mean = sum(mus.values()) / len(mus)
