@@ -230,8 +230,10 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             while ready:
                 r = ready.pop(0)
                 src = where[r]
+                if r not in workers[src].admitted:
+                    continue
+                boundary(src, now)  # which may finish it, or others
                 if r in workers[src].admitted and len(workers[src].running) >= 2:  # still so after moves
-                    boundary(src, now)
                     candidates.discard(r)
                     take(src, idle_w, [r], now)
                     break
