@@ -40,8 +40,9 @@ OPTIONS = [(f.name, int if f.type == "int" else float, f.default, HELP[f.name]) 
 
 def rhyming_steps(params: Rhyming, workers: int, slots: int, seed: int, count: int):
     """`count` consecutive simulated steps from `params.first_step()` as (prompt keys, lengths, predicted per
-    request, the predicted length per group) each, and the first step's figures (median, p99, at the cap,
-    rank correlation and moved-far share of prediction vs actual)."""
+    request, the predicted length per group) each, the first step's figures (median, p99, at the cap,
+    rank correlation and moved-far share of prediction vs actual), and the predictor as it was before the
+    first simulated step (for the simulation's online updates)."""
     started = time.perf_counter()
     workload = params.workload(params.prompts_per_step(workers, slots), seed)
     predictor = LengthPredictor(cap=params.cap)
@@ -57,6 +58,7 @@ def rhyming_steps(params: Rhyming, workers: int, slots: int, seed: int, count: i
         predicted = [predictor.predict_group(k, len(ls)) for k, ls in groups]
         point = predictor.predict_many(keys)
         if t == first:
+            before = predictor.copy()
             flat = [n for ls in lengths for n in ls]
             actual = [mean(ls) for ls in lengths]
             ranking = rank_report(point, actual)
@@ -70,4 +72,4 @@ def rhyming_steps(params: Rhyming, workers: int, slots: int, seed: int, count: i
     log(f"rhyming workload, {workers} workers: {len(steps)} steps of {len(steps[0][0])} groups from step {first} "
         f"(median {info['median']:.0f}, p99 {info['p99']:.0f}, rank corr {info['rank_corr']:.3f}; "
         f"{time.perf_counter() - started:.1f} s)")
-    return steps, info
+    return steps, info, before

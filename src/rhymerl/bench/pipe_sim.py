@@ -157,12 +157,13 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
         out["rhyming"] = {**asdict(rhyming), "workers": {}}
     for w in workers:
         started = time.perf_counter()
+        live = None  # the predictor the simulated workers update as requests finish (`observe_finished`)
         if rhyming is None:
             steps = [(None, ls, ps, ps) for ls, ps in draw_steps(draws, w * slots, max(run_steps, 1), seed)]
         else:
-            steps, info = rhyming_steps(rhyming, w, slots, seed, run_steps)
+            steps, info, live = rhyming_steps(rhyming, w, slots, seed, run_steps)
             out["rhyming"]["workers"][str(w)] = rounded(info)
-        row, first_plans = simulate_row(steps, w, slots, cost_model, policies, migrations, tier2)
+        row, first_plans = simulate_row(steps, w, slots, cost_model, policies, migrations, tier2, live)
         if run_steps > 0:
             plans = {p: [first_plans[p]] + [plan_pieces([len(g) for g in ls], w, p, ps, cost_model, slots=slots,
                                                         tier2=tier2, true_lengths=ls if p == "oracle" else None)
@@ -181,11 +182,13 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
 
 
 def simulate_row(steps, w: int, slots: int, cost_model: CostModel, policies: Sequence[str],
-                 migrations: Sequence[str], tier2: bool) -> tuple[dict, dict]:
+                 migrations: Sequence[str], tier2: bool,
+                 live: LengthPredictor | None = None) -> tuple[dict, dict]:
     """One step (`steps[0]`: keys, lengths, predicted per group or per request, point predictions) on `w`
     workers: per policy its figures; `histopipe` with tier 2 when `tier2` (and `histopipe_tier1`, whole groups,
     beside it), and with each migration rule (`histopipe+RULE`, `fleet.simulate_fleet`). Returns the row and
-    each policy's plan."""
+    each policy's plan. `live`: the predictor before the step, which the migrating workers update as their
+    requests finish (half_busiest's "furthest past predicted" then reads it)."""
     _, lengths, predicted, _ = steps[0]
     row: dict = {"groups": len(lengths), "requests": sum(map(len, lengths))}
     sizes = [len(g) for g in lengths]
@@ -202,9 +205,13 @@ def simulate_row(steps, w: int, slots: int, cost_model: CostModel, policies: Seq
         row["histopipe"]["split_groups"] = len({g for ws in plans["histopipe"] for g, idx in ws
                                                 if len(idx) < len(lengths[g])})
     per_request = [p if isinstance(p, list) else [p] * n for p, n in zip(predicted, sizes)]
+    keys = steps[0][0]
     for rule in migrations if "histopipe" in policies else ():
+        if live is not None:
+            live.clear_observed()
         timeline, moved = simulate_fleet(lengths, plans["histopipe"], slots=slots, cost_model=cost_model,
-                                         predicted=per_request, migration=rule)
+                                         predicted=per_request, migration=rule,
+                                         predictor=live if keys is not None else None, keys=keys)
         row[f"histopipe+{rule}"] = figures(timeline, lengths, slots, cost_model) | {"moved": moved}
     base = row["static"]["makespan_s"] if "static" in row else None
     for r in row.values():

@@ -143,6 +143,12 @@ class LengthPredictor:
             self._stats.pop(key, None)
         self._prior, self._fit = None, None
 
+    def copy(self) -> "LengthPredictor":
+        """An independent predictor knowing the same rollouts (nothing observed this step)."""
+        other = LengthPredictor(self.statistic, self.max_rollouts, self.prior_quantile, self.default_length, self.cap)
+        other._history = {k: [list(r) for r in rollouts] for k, rollouts in self._history.items()}
+        return other
+
     @classmethod
     def from_history(cls, store: HistoryStore, prompts: Iterable[Prompt] | None = None,
                      **kwargs) -> "LengthPredictor":
