@@ -14,7 +14,8 @@ step's arrival order is shuffled (seeded), as a training run's sampler hands out
 `waves` waves per worker, each group predicted per request by the censored predictor). Every policy
 (`plan.POLICIES`) runs the same groups, planned by `plan_pieces` (tier 2 for `histopipe` and `oracle`
 unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest` and
-`histopipe+tail` run histopipe's plan with migration (`fleet.simulate_fleet`). Per policy the makespan over
+`histopipe+tail` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
+`static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy the makespan over
 the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for
 `histopipe` its share of `oracle` (oracle makespan / histopipe makespan) and its speed-up over
 `least_loaded`. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
@@ -206,13 +207,16 @@ def simulate_row(steps, w: int, slots: int, cost_model: CostModel, policies: Seq
                                                 if len(idx) < len(lengths[g])})
     per_request = [p if isinstance(p, list) else [p] * n for p, n in zip(predicted, sizes)]
     keys = steps[0][0]
-    for rule in migrations if "histopipe" in policies else ():
+    # each rule on histopipe's plan; and the Ray pool's rule on verl's split, the baseline with migration
+    runs = [("histopipe", rule) for rule in migrations if "histopipe" in policies]
+    runs += [("static", "half_busiest")] if "static" in policies and "half_busiest" in migrations else []
+    for policy, rule in runs:
         if live is not None:
             live.clear_observed()
-        timeline, moved = simulate_fleet(lengths, plans["histopipe"], slots=slots, cost_model=cost_model,
+        timeline, moved = simulate_fleet(lengths, plans[policy], slots=slots, cost_model=cost_model,
                                          predicted=per_request, migration=rule,
                                          predictor=live if keys is not None else None, keys=keys)
-        row[f"histopipe+{rule}"] = figures(timeline, lengths, slots, cost_model) | {"moved": moved}
+        row[f"{policy}+{rule}"] = figures(timeline, lengths, slots, cost_model) | {"moved": moved}
     base = row["static"]["makespan_s"] if "static" in row else None
     for r in row.values():
         if isinstance(r, dict):
