@@ -15,10 +15,10 @@ step's arrival order is shuffled (seeded), as a training run's sampler hands out
 (`plan.POLICIES`) runs the same groups, planned by `plan_pieces` (tier 2 for `histopipe` and `oracle`
 unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest` and
 `histopipe+tail` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
-`static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy the makespan over
-the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for
-`histopipe` its share of `oracle` (oracle makespan / histopipe makespan) and its speed-up over
-`least_loaded`. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
+`static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy
+the makespan over the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over
+`static`, and for `histopipe` its share of `oracle` (oracle makespan / histopipe makespan) and its speed-up
+over `least_loaded`. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
 
 Then runs of `run_steps` such steps in a row (`simulate_run`), step 1 the step above and each
 next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking

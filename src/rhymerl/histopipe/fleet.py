@@ -5,7 +5,8 @@ worker that runs out of work takes requests from others mid-step. This is the sa
 slots, a freed slot refilled for the next step, a step of n sequences costing `step_cost[n]` plus attention)
 driven by one clock over all workers: each worker's next event is its next finish; a moved request leaves
 its worker at that worker's next step boundary and, on its new worker, first re-prefills the tokens it has
-generated (the prompt left out, as everywhere here; `reprefill`), then decodes on. Without migration it gives `run_worker`'s times exactly (tested).
+generated (the prompt left out, as everywhere here; `reprefill`), then decodes on. Without migration it
+gives `run_worker`'s times exactly (tested).
 
 Rules (`migration`):
 - "half_busiest" (what `rollout.migration` does today): a worker out of work takes half the unfinished

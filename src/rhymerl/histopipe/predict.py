@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from rhymerl.histopipe.censored import Stats, expected_length, fit_stats, log_stats, merged, pooled_stats, quantile_length
+from rhymerl.histopipe.censored import (Stats, expected_length, fit_stats, log_stats, merged, pooled_stats,
+                                        quantile_length)
 from rhymerl.history import HistoryStore, prompt_key
 
 Prompt = Sequence[int] | str  # token ids, or their key (`rhymerl.history.prompt_key`)
