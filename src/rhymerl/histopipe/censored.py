@@ -1,5 +1,5 @@
 """Response lengths as a lognormal cut at the length cap: the fit and the expectations the predictor needs
-(DESIGN section 4, "Prediction"). Torch-free, stdlib only.
+(docs/design.md, section 4, "HistoPipe, part by part": Prediction). Torch-free, stdlib only.
 
 A response that stopped at `max_completion_length` did not end there: its length is a lower bound (right-
 censored). Averaging it as if it were its length ties every prompt whose responses hit the cap (the shipped

@@ -1,4 +1,5 @@
-"""One sync step on every worker at once, with migration between them (DESIGN section 4, "Migration").
+"""One sync step on every worker at once, with migration between them (docs/design.md, section 4,
+"HistoPipe, part by part": Migration).
 
 `simulate`'s workers run apart (`batching.run_worker`, one call each). Migration needs them together: a
 worker that runs out of work takes requests from others mid-step. This is the same batching model (fixed

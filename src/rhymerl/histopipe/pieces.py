@@ -1,4 +1,5 @@
-"""Tier 2 of HistoPipe's placement: a long group split over several workers (DESIGN section 4, "Tier 2").
+"""Tier 2 of HistoPipe's placement: a long group split over several workers (docs/design.md, section 4,
+"HistoPipe, part by part": Plan, tier 1 and tier 2).
 
 A GRPO group's siblings normally share one worker: they share the prompt's prefill and draft from each
 other (HistoSpec). But a group whose requests are long enough decodes for longer, on one worker, than the

@@ -1,5 +1,5 @@
-"""A seeded, calibrated length workload that rhymes: `rhymerl bench pipe --trace rhyming` (DESIGN section 4,
-"Workload"). Torch-free, stdlib only.
+"""A seeded, calibrated length workload that rhymes: `rhymerl bench pipe --trace rhyming` (docs/design.md, section 4,
+"HistoPipe, part by part": Workload). Torch-free, stdlib only.
 
 Reasoning RL's rollouts, as published (each default's source in docs/design.md, "Workload"): response
 lengths lognormal with a median of 1,500 tokens and a 99th percentile ~10x the median, cut at a 16,384-token
