@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from rhymerl.bench import pipe_bench
+from rhymerl.bench import pipe_bench, pipe_sim
 from rhymerl.cli import main
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.plan import POLICIES
+from rhymerl.histopipe.predict import LengthPredictor
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import random_prompts, tiny_checkpoint
 
@@ -65,9 +66,13 @@ def test_draws_start_where_history_exists_and_predict_from_earlier_steps(trace):
     steps = pipe_bench.read_trace(trace)
     draws, first = pipe_bench.trace_draws(steps)
     assert first == 1 and len(draws) == 3 * 12 and all(known for *_, known in draws)
-    # step 1's prediction of p0 comes from step 0's lengths only (the default 0.75 quantile)
-    step0 = next(g["lengths"] for g in steps[0]["groups"] if g["prompt"] == "p0")
-    assert draws[0][0] == "p0" and draws[0][2] == pytest.approx(pipe_bench.summarise(step0, 0.75))
+    # step 1's prediction of p0 comes from step 0's lengths only (the scheduler's predictor, censored at the
+    # trace's cap when it has one: this one has none)
+    assert pipe_sim.trace_cap(steps) is None
+    predictor = LengthPredictor()
+    for g in steps[0]["groups"]:
+        predictor.record(g["prompt"], g["lengths"])
+    assert draws[0][0] == "p0" and draws[0][2] == pytest.approx(predictor.predict("p0"))
     lengths, predicted, _ = pipe_bench.draw_step(draws, 200, seed=None)  # cycles past the trace's 144 requests
     assert sum(map(len, lengths)) >= 200 and len(lengths) == len(predicted) == 50
     assert lengths[36] == draws[0][1] and predicted[36] == draws[0][2]
@@ -166,3 +171,51 @@ def test_modes_option_is_checked(trace, cost_file, tmp_path, capsys):
                "--slots", "2", "--modes", "one_step_off", "--out", str(tmp_path / "o"), "--no-real"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and list(summary["sim"]["2"]["modes"]) == ["one_step_off"]
+
+
+RHYMING_SMALL = ["--trace", "rhyming", "--rhyming-median", "40", "--rhyming-cap", "400",
+                 "--rhyming-num-generations", "4", "--rhyming-epoch-steps", "2", "--rhyming-history-epochs", "2",
+                 "--slots", "2", "--no-real", "--context-cost", "0.001,0.0001"]
+
+
+def test_cli_rhyming_workload_keeps_the_json_layout(cost_file, tmp_path, capsys):
+    """`--trace rhyming` (issue 32): the built-in workload, its options, tier 2 and migration rows beside the
+    policies, the same JSON layout (sim -> workers -> policy -> makespan_over_lb, bubble)."""
+    rc = main(["bench", "pipe", *RHYMING_SMALL, "--cost-from", str(cost_file), "--workers", "2,4",
+               "--run-steps", "2", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["trace"] == "rhyming" and "rhyming workload" in out and "rhyming workload, 2 workers" in err
+    check_sim(summary["sim"], (2, 4))
+    info = summary["sim_info"]["rhyming"]
+    assert info["median"] == 40 and info["cap"] == 400 and info["num_generations"] == 4
+    for w in ("2", "4"):
+        row, stats = summary["sim"][w], info["workers"][w]
+        assert row["requests"] >= 4 * int(w) * 2  # at least 4 waves per worker
+        assert stats["with_history"] == 1.0 and stats["step"] == 4  # after 2 epochs of 2 steps
+        for name in ("histopipe_tier1", "histopipe+half_busiest", "histopipe+tail", "histopipe+steal",
+                     "static+half_busiest"):
+            assert row[name]["makespan_over_lb"] >= 1 - 1e-9 and 0 <= row[name]["bubble"] < 1
+        assert "moved" in row["histopipe+tail"] and "speedup_vs_least_loaded" in row["histopipe"]
+        assert set(row["modes"]["sync"]) == set(POLICIES)
+    assert summary["cost_model"]["per_key_s"] == 0.001 and summary["context_cost"]["prefill_per_pair_s"] == 0.0001
+
+
+def test_rhyming_options_are_listed_and_checked(cost_file, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "pipe", "--help"])
+    help_text = capsys.readouterr().out
+    for key in ("median", "p99-ratio", "cap", "num-generations", "shift-share", "drift", "drift-steps", "waves"):
+        assert f"--rhyming-{key}" in help_text
+    rc = main(["bench", "pipe", *RHYMING_SMALL, "--cost-from", str(cost_file), "--rhyming-median", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "median" in err and "Traceback" not in err
+    rc = main(["bench", "pipe", *RHYMING_SMALL, "--cost-from", str(cost_file), "--context-cost", "fast"])
+    assert rc == 2 and "--context-cost" in capsys.readouterr().err
+
+
+def test_a_trace_cap_is_its_longest_length_when_many_share_it():
+    rows = [{"step": 0, "groups": [{"prompt": "a", "lengths": [128, 128, 50]}, {"prompt": "b", "lengths": [7]}]}]
+    assert pipe_sim.trace_cap(rows) == 128
+    assert pipe_sim.trace_cap([{"step": 0, "groups": [{"prompt": "a", "lengths": list(range(1, 41))}]}]) is None

@@ -19,7 +19,7 @@ def test_quantile_interpolates_like_numpy():
 
 
 def test_prediction_from_the_last_rollouts():
-    p = LengthPredictor()  # 0.75 quantile
+    p = LengthPredictor(statistic=0.75)  # the quantile statistic (the default is the censored lognormal)
     p.record("a", [10, 20, 30, 40])
     assert p.predict("a") == 32.5
     assert LengthPredictor(statistic="mean").predict("x") == 512.0  # nothing recorded: the default
@@ -32,7 +32,7 @@ def test_prediction_from_the_last_rollouts():
 
 
 def test_prior_then_online_update_as_siblings_finish():
-    p = LengthPredictor(default_length=100)
+    p = LengthPredictor(statistic=0.75, default_length=100)
     assert p.prior() == 100 and p.predict("b") == 100  # nothing recorded yet
     p.record("a", [10, 20, 30, 40])
     assert p.prior() == 32.5 and p.predict("b") == 32.5  # the global 0.75 quantile

@@ -28,15 +28,45 @@ from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figu
                                      print_real_tables, rounded, run_ray, run_real)
 from rhymerl.bench.pipe_sim import (DEFAULT_WORKERS, GANTT_MAX_WORKERS, draw_step, draw_steps,  # noqa: F401
                                     read_checked_trace, simulate_modes, simulate_trace, trace_draws, write_gantt)
+from rhymerl.bench.pipe_context import measure_per_key
+from rhymerl.bench.pipe_rhyming import RHYMING
 from rhymerl.bench.progress import Progress
 from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
+from rhymerl.histopipe.batching import ContextCost
 from rhymerl.histopipe.plan import POLICIES
+from rhymerl.histopipe.workload import Rhyming
 from rhymerl.histopipe.predict import summarise  # noqa: F401 (re-exported, as before the split)
 from rhymerl.histopipe.simulate import MODES
 from rhymerl.histopipe.trace import read_trace  # noqa: F401 (re-exported, as before the split)
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "histopipe" / "traces" / "default.jsonl"
+
+
+def context_cost(spec: str, cost_from: str, model: str, dtype: str, device: str | None,
+                 slots: int) -> tuple[float, float, dict]:
+    """`--context-cost`: attention's seconds per key per decoding sequence and per prefill pair
+    (`batching.ContextCost`), and what the summary says of them. "auto": measured
+    (`pipe_context.measure_per_key`, on the model's shapes) when the cost model is (`--cost-from measure`),
+    else the cost file's `per_key_s` / `prefill_per_pair_s` (what this bench's JSON holds under cost_model),
+    else 0 (contexts unpriced, said so). "measure": measured. "SECONDS[,PAIR_SECONDS]": given."""
+    if spec == "auto" and cost_from != "measure":
+        saved = json.loads(Path(cost_from).read_text(encoding="utf-8"))
+        per_key, per_pair = float(saved.get("per_key_s", 0.0)), float(saved.get("prefill_per_pair_s", 0.0))
+        return per_key, per_pair, {"per_key_s": per_key, "prefill_per_pair_s": per_pair,
+                                   "how": f"from {cost_from}" if per_key else "contexts unpriced (none in the file)"}
+    if spec in ("auto", "measure"):
+        measured = measure_per_key(model, dtype, device, seqs=slots)
+        return measured["per_key_s"], measured["prefill_per_pair_s"], measured
+    try:
+        values = [float(x) for x in spec.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(v >= 0 for v in values):
+        raise UserError(f"--context-cost {spec}: give auto, measure, or SECONDS[,PAIR_SECONDS] (each >= 0)")
+    per_key, per_pair = values[0], values[1] if len(values) == 2 else 0.0
+    return per_key, per_pair, {"per_key_s": per_key, "prefill_per_pair_s": per_pair,
+                               "how": "given" if per_key else "contexts unpriced (--context-cost 0)"}
 
 
 # ------------------------------------------------------------------------------------------- the cost model
@@ -81,32 +111,44 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         real: bool = True, repeats: int = 3, real_prompts: int = 16, num_generations: int = 4,
         real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
         ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
-        out: str | Path | None = None) -> dict:
+        out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
+        tier2: bool = True) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
     "one_worker", one worker's FIFO vs longest-first (`run_real`). The Gantt charts go to `out`
-    (`default_out_dir()` when None), named in the summary's "out"."""
-    trace = Path(trace) if trace is not None else DEFAULT_TRACE
-    if not trace.exists():
-        raise FileNotFoundError(f"--trace {trace}: no such file or run directory")
-    read_checked_trace(trace)  # a bad trace fails before the cost model is measured (simulate_trace reads it again)
-    progress = Progress("pipe", (cost_from == "measure") + 1 + real * (1 + (ray_workers > 0)))
+    (`default_out_dir()` when None), named in the summary's "out". `trace == "rhyming"` (or `rhyming` given):
+    the calibrated workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`."""
+    if str(trace) == RHYMING or rhyming is not None:
+        trace, rhyming = RHYMING, rhyming or Rhyming()
+    else:
+        trace = Path(trace) if trace is not None else DEFAULT_TRACE
+        if not trace.exists():
+            raise FileNotFoundError(f"--trace {trace}: no such file or run directory (or the built-in {RHYMING})")
+        read_checked_trace(trace)  # a bad trace fails before the cost model is measured (simulated: read again)
+    progress = Progress("pipe", (cost_from == "measure") + 2 + real * (1 + (ray_workers > 0)))
     if cost_from == "measure":
         progress.stage(f"measuring the cost model on {model} ({slots} slots)")
         cost_model = measure_cost_model(model, dtype, device, slots)
     else:
         cost_model = load_cost_model(cost_from)
+    progress.stage(f"attention's cost per key ({context})")
+    per_key, per_pair, context_info = context_cost(context, str(cost_from), model, dtype, device, slots)
+    log(f"long contexts: {per_key:.3g} s per key per decoding sequence, {per_pair:.3g} s per prefill pair "
+        f"({context_info['how']})")
+    priced = ContextCost(cost_model, per_key, per_pair)
     progress.stage(f"simulating {trace} at {', '.join(map(str, workers))} workers")
     out = Path(out) if out is not None else default_out_dir()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is an existing file; the bench writes its Gantt charts into a directory")
-    sim = simulate_trace(trace, cost_model, workers, slots, seed=seed, modes=modes, run_steps=run_steps,
-                         train_s=train_s, gantt_dir=out)
+    sim = simulate_trace(trace, priced, workers, slots, seed=seed, modes=modes, run_steps=run_steps,
+                         train_s=train_s, gantt_dir=out, rhyming=rhyming, tier2=tier2)
     # "mode": the single step's (sync); the runs' modes are under "modes"
     summary = {"sim": sim.pop("workers"),
                "sim_info": {**sim, "slots": slots, "mode": "sync", "modes": list(modes), "run_steps": run_steps,
                             "train_s": train_s},
-               "trace": str(trace), "cost_from": str(cost_from), "cost_model": cost_model.as_dict(),
+               "trace": str(trace), "cost_from": str(cost_from),
+               "cost_model": cost_model.as_dict() | {"per_key_s": per_key, "prefill_per_pair_s": per_pair},
+               "context_cost": context_info,
                "out": str(out)}
     if real:
         progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
@@ -129,21 +171,31 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
 def print_table(summary: dict, console: Console | None = None) -> None:
     console = console or table_console()
     info = summary["sim_info"]
-    t = Table(title=f"HistoPipe simulation (sync): {Path(summary['trace']).name}, {info['trace_steps']} steps "
-                    f"(draws from step {info['draws_from_step']}, {info['groups_with_history']}/"
-                    f"{info['trace_groups']} groups with history, rank corr {info['rank_corr']}), "
-                    f"{info['slots']} slots per worker")
+    if "rhyming" in info:
+        r = info["rhyming"]
+        source = (f"rhyming workload (seed {info['seed']}: median {r['median']:g}, p99 {r['p99_ratio']:g}x, cap "
+                  f"{r['cap']}, {r['num_generations']} per prompt, {r['waves']} waves; rank corr "
+                  + ", ".join(f"{v['rank_corr']:.3f}" for v in r["workers"].values()) + ")")
+    else:
+        source = (f"{Path(summary['trace']).name}, {info['trace_steps']} steps (draws from step "
+                  f"{info['draws_from_step']}, {info['groups_with_history']}/{info['trace_groups']} groups with "
+                  f"history, rank corr {info['rank_corr']})")
+    ctx = summary.get("context_cost", {})
+    t = Table(title=f"HistoPipe simulation (sync): {source}, {info['slots']} slots per worker; attention "
+                    f"{ctx.get('per_key_s', 0):.3g} s/key ({ctx.get('how', 'unpriced')})")
     for c in ("workers", "groups", "policy", "makespan s", "makespan / lb", "bubble", "finish gap s",
-              "tail share", "vs static", "of oracle"):
+              "tail share", "vs static", "of oracle", "moved"):
         t.add_column(c, justify="right")
     for w, row in summary["sim"].items():
-        for i, policy in enumerate(p for p in POLICIES if p in row):
+        names = [p for p in POLICIES if p in row] + [p for p in row if p not in POLICIES and p != "modes"
+                                                     and isinstance(row[p], dict)]
+        for i, policy in enumerate(names):
             r = row[policy]
             t.add_row(w if i == 0 else "", str(row["groups"]) if i == 0 else "", policy, f"{r['makespan_s']:.3f}",
                       f"{r['makespan_over_lb']:.3f}", f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}",
                       f"{r['tail_share']:.3f}",
                       f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-",
-                      f"{r['share_of_oracle']:.3f}" if "share_of_oracle" in r else "-")
+                      f"{r['share_of_oracle']:.3f}" if "share_of_oracle" in r else "-", str(r.get("moved", "-")))
     console.print(t)
     print_mode_table(summary, console)
     print_real_tables(summary.get("real"), console)

@@ -9,10 +9,16 @@ and prompts with their recorded lengths until the workers' slots are full. Each 
 length is what a real run would have known when it ran that step: a `LengthPredictor` that has recorded
 the trace's earlier steps. The draws start at the trace's first step where some prompt has a history (its
 second epoch), so that the predictions are history's and not the prior's, unless no step has one; the
-step's arrival order is shuffled (seeded), as a training run's sampler hands out prompts. Every
-policy (`plan.POLICIES`) runs the same groups through `simulate`; per policy the makespan over the lower
-bound, the bubble ratio, the first-to-last finish gap, the speed-up over `static`, and for `histopipe` its
-share of `oracle` (oracle makespan / histopipe makespan).
+step's arrival order is shuffled (seeded), as a training run's sampler hands out prompts. With `rhyming`
+(`--trace rhyming`), the steps come from the calibrated workload instead (`pipe_rhyming.rhyming_steps`:
+`waves` waves per worker, each group predicted per request by the censored predictor). Every policy
+(`plan.POLICIES`) runs the same groups, planned by `plan_pieces` (tier 2 for `histopipe` and `oracle`
+unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest` and
+`histopipe+tail` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
+`static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy
+the makespan over the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over
+`static`, and for `histopipe` its share of `oracle` (oracle makespan / histopipe makespan) and its speed-up
+over `least_loaded`. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
 
 Then runs of `run_steps` such steps in a row (`simulate_run`), step 1 the step above and each
 next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
@@ -33,17 +39,22 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
+from statistics import mean
 
 from rhymerl.bench.pipe_real import log, rounded
 from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
+from rhymerl.bench.pipe_rhyming import rhyming_steps
+from rhymerl.histopipe.fleet import MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import bubble_ratio
 from rhymerl.histopipe.metrics import summary as step_summary
-from rhymerl.histopipe.plan import POLICIES, plan
-from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
+from rhymerl.histopipe.plan import POLICIES, plan_pieces
+from rhymerl.histopipe.predict import LengthPredictor, rank_report
 from rhymerl.histopipe.simulate import MODES, run_plan, simulate_run
 from rhymerl.histopipe.trace import read_trace
+from rhymerl.histopipe.workload import Rhyming
 
 DEFAULT_WORKERS = (8, 64, 1024)
 GANTT_MAX_WORKERS = 64  # more bands than this are no longer legible
@@ -52,8 +63,9 @@ GANTT_MAX_WORKERS = 64  # more bands than this are no longer legible
 def trace_draws(steps: Sequence[dict]) -> tuple[list[tuple[str, list[int], float, bool]], int]:
     """Every group of the trace as (prompt key, its recorded lengths, its predicted length, whether its
     prompt had a history), in trace order from the first step where some prompt had one (see the module
-    doc), and that step's index. A prompt's prediction is a `LengthPredictor` on the steps before its own."""
-    predictor = LengthPredictor()
+    doc), and that step's index. A prompt's prediction is a `LengthPredictor` (censored at `trace_cap`) on the
+    steps before its own."""
+    predictor = LengthPredictor(cap=trace_cap(steps))
     draws, first = [], None
     for t, row in enumerate(steps):
         groups = [(g["prompt"], [int(n) for n in g["lengths"]]) for g in row["groups"] if g["lengths"]]
@@ -125,51 +137,111 @@ def draw_steps(draws: Sequence[tuple[str, list[int], float, bool]], requests: in
 def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[int] = DEFAULT_WORKERS,
                    slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0,
                    modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
-                   gantt_dir: str | Path | None = None) -> dict:
+                   gantt_dir: str | Path | None = None, rhyming: Rhyming | None = None,
+                   migrations: Sequence[str] = MIGRATIONS, tier2: bool = True) -> dict:
     """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures, and under
-    "modes" the runs' (see the module doc); `seed` shuffles each step's arrival order (`draw_step`); with
-    `gantt_dir`, the Gantt charts (created if missing). A trace it cannot read: UserError (`read_checked_trace`)."""
-    steps = read_checked_trace(trace)
-    draws, first = trace_draws(steps)
-    known = [i for i, d in enumerate(draws) if d[3]]
-    stat = LengthPredictor().statistic
-    ranking = rank_report([draws[i][2] for i in known], [summarise(draws[i][1], stat) for i in known]) \
-        if len(known) >= 2 else None
-    out = {"trace_steps": len(steps), "seed": seed, "draws_from_step": first, "trace_groups": len(draws),
-           "groups_with_history": len(known),
-           "rank_corr": None if ranking is None or math.isnan(ranking["rank_corr"]) else round(ranking["rank_corr"], 3),
-           "workers": {}}
+    "modes" the runs' (see the module doc); `seed` shuffles each step's arrival order (`draw_step`), or seeds
+    the workload with `rhyming` (then `trace` is only its name); with `gantt_dir`, the Gantt charts (created
+    if missing). A trace it cannot read: UserError (`read_checked_trace`)."""
+    out: dict = {"seed": seed, "workers": {}}
+    if rhyming is None:
+        rows = read_checked_trace(trace)
+        draws, first = trace_draws(rows)
+        known = [i for i, d in enumerate(draws) if d[3]]
+        ranking = rank_report([draws[i][2] for i in known], [mean(draws[i][1]) for i in known]) \
+            if len(known) >= 2 else None
+        out |= {"trace_steps": len(rows), "draws_from_step": first, "trace_groups": len(draws),
+                "groups_with_history": len(known), "cap": trace_cap(rows),
+                "rank_corr": None if ranking is None or math.isnan(ranking["rank_corr"])
+                else round(ranking["rank_corr"], 3)}
+    else:
+        out["rhyming"] = {**asdict(rhyming), "workers": {}}
     for w in workers:
         started = time.perf_counter()
-        steps = draw_steps(draws, w * slots, max(run_steps, 1), seed)
-        lengths, predicted = steps[0]
-        # Each step planned once, by the code the real scheduler runs; every mode reuses the plans.
-        plans = {policy: [plan([len(g) for g in ls], w, policy, ps, cost_model, slots=slots,
-                               true_lengths=ls if policy == "oracle" else None) for ls, ps in steps]
-                 for policy in policies}
-        row = {"groups": len(lengths), "requests": sum(map(len, lengths))}
-        for policy in policies:
-            timeline = run_plan(lengths, plans[policy][0], slots=slots, cost_model=cost_model)
-            s = step_summary(timeline, lengths, slots, cost_model)
-            row[policy] = {"makespan_s": s["makespan"], "lower_bound_s": s["lower_bound"],
-                           "makespan_over_lb": s["makespan_over_lb"], "bubble": s["bubble"],
-                           "finish_gap_s": s["finish_gap"], "tail_share": s["tail_share"]}
-        base = row["static"]["makespan_s"] if "static" in row else None
-        for policy in policies:
-            r = row[policy]
-            r["speedup_vs_static"] = base / r["makespan_s"] if base and r["makespan_s"] > 0 else None
-        if "histopipe" in row and "oracle" in row and row["histopipe"]["makespan_s"] > 0:
-            row["histopipe"]["share_of_oracle"] = row["oracle"]["makespan_s"] / row["histopipe"]["makespan_s"]
+        live = None  # the predictor the simulated workers update as requests finish (`observe_finished`)
+        if rhyming is None:
+            steps = [(None, ls, ps, ps) for ls, ps in draw_steps(draws, w * slots, max(run_steps, 1), seed)]
+        else:
+            steps, info, live = rhyming_steps(rhyming, w, slots, seed, run_steps)
+            out["rhyming"]["workers"][str(w)] = rounded(info)
+        row, first_plans = simulate_row(steps, w, slots, cost_model, policies, migrations, tier2, live)
         if run_steps > 0:
-            row["modes"] = simulate_modes(steps, w, slots, cost_model, plans, modes, train_s,
-                                          gantt_dir if w <= GANTT_MAX_WORKERS else None)
+            plans = {p: [first_plans[p]] + [plan_pieces([len(g) for g in ls], w, p, ps, cost_model, slots=slots,
+                                                        tier2=tier2, true_lengths=ls if p == "oracle" else None)
+                                            for _, ls, ps, _ in steps[1:]]
+                     for p in policies}
+            row["modes"] = simulate_modes([(ls, ps) for _, ls, ps, _ in steps], w, slots, cost_model, plans, modes,
+                                          train_s, gantt_dir if w <= GANTT_MAX_WORKERS else None)
         out["workers"][str(w)] = rounded(row)
         hp = row.get("histopipe", {})
         log(f"{w} workers x {slots} slots, {row['groups']} groups: "
-            + ", ".join(f"{p} {row[p]['makespan_over_lb']:.3f}x lb" for p in policies)
+            + ", ".join(f"{p} {row[p]['makespan_over_lb']:.3f}x lb" for p in row if isinstance(row[p], dict)
+                        and "makespan_over_lb" in row[p])
             + (f"; histopipe {hp['speedup_vs_static']:.3f}x static" if hp.get("speedup_vs_static") else "")
             + f" ({time.perf_counter() - started:.1f} s)")
     return out
+
+
+def simulate_row(steps, w: int, slots: int, cost_model: CostModel, policies: Sequence[str],
+                 migrations: Sequence[str], tier2: bool,
+                 live: LengthPredictor | None = None) -> tuple[dict, dict]:
+    """One step (`steps[0]`: keys, lengths, predicted per group or per request, point predictions) on `w`
+    workers: per policy its figures; `histopipe` with tier 2 when `tier2` (and `histopipe_tier1`, whole groups,
+    beside it), and with each migration rule (`histopipe+RULE`, `fleet.simulate_fleet`). Returns the row and
+    each policy's plan. `live`: the predictor before the step, which the migrating workers update as their
+    requests finish (half_busiest's "furthest past predicted" then reads it)."""
+    _, lengths, predicted, _ = steps[0]
+    row: dict = {"groups": len(lengths), "requests": sum(map(len, lengths))}
+    sizes = [len(g) for g in lengths]
+    plans = {}
+    for policy in policies:  # each planned by the code the real scheduler runs
+        plans[policy] = plan_pieces(sizes, w, policy, predicted, cost_model, slots=slots, tier2=tier2,
+                                    true_lengths=lengths if policy == "oracle" else None)
+        row[policy] = figures(run_plan(lengths, plans[policy], slots=slots, cost_model=cost_model), lengths, slots,
+                              cost_model)
+    if "histopipe" in policies and tier2:
+        whole = plan_pieces(sizes, w, "histopipe", predicted, cost_model, slots=slots, tier2=False)
+        row["histopipe_tier1"] = figures(run_plan(lengths, whole, slots=slots, cost_model=cost_model), lengths,
+                                         slots, cost_model)
+        row["histopipe"]["split_groups"] = len({g for ws in plans["histopipe"] for g, idx in ws
+                                                if len(idx) < len(lengths[g])})
+    per_request = [p if isinstance(p, list) else [p] * n for p, n in zip(predicted, sizes)]
+    keys = steps[0][0]
+    # each rule on histopipe's plan; and the Ray pool's rule on verl's split, the baseline with migration
+    runs = [("histopipe", rule) for rule in migrations if "histopipe" in policies]
+    runs += [("static", "half_busiest")] if "static" in policies and "half_busiest" in migrations else []
+    for policy, rule in runs:
+        if live is not None:
+            live.clear_observed()
+        timeline, moved = simulate_fleet(lengths, plans[policy], slots=slots, cost_model=cost_model,
+                                         predicted=per_request, migration=rule,
+                                         predictor=live if keys is not None else None, keys=keys)
+        row[f"{policy}+{rule}"] = figures(timeline, lengths, slots, cost_model) | {"moved": moved}
+    base = row["static"]["makespan_s"] if "static" in row else None
+    for r in row.values():
+        if isinstance(r, dict):
+            r["speedup_vs_static"] = base / r["makespan_s"] if base and r["makespan_s"] > 0 else None
+    if "histopipe" in row and "oracle" in row and row["histopipe"]["makespan_s"] > 0:
+        row["histopipe"]["share_of_oracle"] = row["oracle"]["makespan_s"] / row["histopipe"]["makespan_s"]
+        if "least_loaded" in row:
+            row["histopipe"]["speedup_vs_least_loaded"] = (row["least_loaded"]["makespan_s"]
+                                                          / row["histopipe"]["makespan_s"])
+    return row, plans
+
+
+def figures(timeline, lengths, slots: int, cost_model: CostModel) -> dict:
+    """A step's figures as the JSON names them (`metrics.summary`)."""
+    s = step_summary(timeline, lengths, slots, cost_model)
+    return {"makespan_s": s["makespan"], "lower_bound_s": s["lower_bound"], "makespan_over_lb": s["makespan_over_lb"],
+            "bubble": s["bubble"], "finish_gap_s": s["finish_gap"], "tail_share": s["tail_share"]}
+
+
+def trace_cap(rows: Sequence[dict]) -> int | None:
+    """A trace records no cap: its longest length is taken as one when at least 5% of responses share it
+    (the shipped trace: 54% at 128); else None (no length known to be cut)."""
+    flat = [int(n) for row in rows for g in row["groups"] for n in g["lengths"]]
+    top = max(flat, default=0)
+    return top if flat and sum(n == top for n in flat) >= 0.05 * len(flat) else None
 
 
 def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],

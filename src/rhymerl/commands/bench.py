@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from rhymerl.bench import (e2e_bench, engine_bench, history_bench, matmul_bench, pipe_bench, spec_bench,
+from rhymerl.bench import (e2e_bench, engine_bench, history_bench, matmul_bench, pipe_bench, pipe_rhyming, spec_bench,
                            update_bench, workers_bench)
 from rhymerl.commands.options import (DEVICE_HELP, MODEL_HELP, DefaultsHelp, check_dtype, number_list, positive_int,
                                       setup)
 from rhymerl.config import DRAFT_RULES
 from rhymerl.errors import UserError
 from rhymerl.histopipe.simulate import MODES
+from rhymerl.histopipe.workload import Rhyming
 
 
 def _report(module, summary: dict) -> int:
@@ -62,12 +63,20 @@ def cmd_bench_pipe(args) -> int:
         raise UserError(f"--run-steps {args.run_steps}: must be >= 0")
     if args.train_s < 0:
         raise UserError(f"--train-s {args.train_s}: must be >= 0")
-    if args.cost_from == "measure" or args.real:
+    rhyming = None
+    if args.trace == pipe_rhyming.RHYMING:
+        values = {key: getattr(args, f"rhyming_{key}") for key, *_ in pipe_rhyming.OPTIONS}
+        try:
+            rhyming = Rhyming(**values)
+        except ValueError as e:
+            raise UserError(f"--rhyming-*: {e}") from None
+    if args.cost_from == "measure" or args.real or args.context_cost == "measure":  # auto measures with cost
         setup(args)
     summary = pipe_bench.run(args.trace, args.cost_from, args.model, args.dtype, args.device, workers, args.slots,
                              args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
                              args.max_tokens, args.temperature, args.seed, args.ray_workers, modes=modes,
-                             run_steps=args.run_steps, train_s=args.train_s, out=args.out)
+                             run_steps=args.run_steps, train_s=args.train_s, out=args.out, rhyming=rhyming,
+                             context=args.context_cost, tier2=args.tier2)
     return _report(pipe_bench, summary)
 
 
@@ -168,9 +177,20 @@ def add_parser(sub) -> None:
     bp = bsub.add_parser("pipe", help="HistoPipe schedules: simulated from a length trace, then real runs: one "
                                       "worker's longest-first vs FIFO admission, and Ray workers under every "
                                       "rollout.schedule (histopipe with migration too)", formatter_class=DefaultsHelp)
-    bp.add_argument("--trace", default=None, metavar="PATH",
+    bp.add_argument("--trace", default=None, metavar="PATH|rhyming",
                     help="a run directory or its lengths.jsonl (default: the trace shipped with the package, "
-                         "rhymerl/histopipe/traces/default.jsonl)")
+                         "rhymerl/histopipe/traces/default.jsonl), or rhyming: the built-in calibrated workload "
+                         "(--rhyming-* options; sources in docs/design.md)")
+    bp.add_argument("--context-cost", default="auto", metavar="auto|measure|SECONDS[,PAIR_SECONDS]",
+                    help="attention in the simulation: seconds per key per decoding sequence (and per pair of a "
+                         "migrated request's re-prefill): measured (SDPA on --model's shapes, extrapolated "
+                         "linearly past 4,096 keys), given (0: contexts unpriced), or auto: measured with the "
+                         "cost model, else the --cost-from file's per_key_s / prefill_per_pair_s, else 0")
+    bp.add_argument("--tier2", action=argparse.BooleanOptionalAction, default=True,
+                    help="histopipe and oracle may split a long group over several workers (HistoPipe's tier 2)")
+    for key, kind, default, what in pipe_rhyming.OPTIONS:
+        bp.add_argument(f"--rhyming-{key.replace('_', '-')}", dest=f"rhyming_{key}", type=kind, default=default,
+                        help=f"--trace rhyming: {what}")
     bp.add_argument("--cost-from", default="measure", metavar="measure|FILE.json",
                     help="the simulation's cost model: measured on --model at start-up, or a CostModel.as_dict() JSON")
     bp.add_argument("--workers", default="8,64,1024", help="comma-separated simulated worker counts")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rhymerl.histopipe.batching import Cost, decode_costs
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost
 from rhymerl.histopipe.timeline import Timeline
 
 
@@ -31,6 +31,8 @@ def lower_bound(lengths: Sequence[Sequence[int]], num_workers: int, slots: int, 
 
     The best per-token cost is min over n of cost(n, n) / n: the full batch's for a measured model (a step's
     cost grows slower than its rows), and taking the minimum keeps the bound a bound for any cost model.
+    With a `ContextCost`, attention is added to both terms: a request of L tokens attends to
+    L (L + 1) / 2 keys in all, at `per_key` each whatever the batch (no schedule avoids it).
     """
     step_cost = decode_costs(cost_model, slots)
     tokens = [max(int(n), 1) for group in lengths for n in group]  # a response decodes at least one token
@@ -38,9 +40,11 @@ def lower_bound(lengths: Sequence[Sequence[int]], num_workers: int, slots: int, 
         return 0.0
     # The longest request needs that many steps, none cheaper than the cheapest step: a step of one sequence
     # for a measured model (non-decreasing); the minimum keeps it a bound for any cost model.
-    alone = max(tokens) * min(step_cost[1:])
+    per_key = per_key_cost(cost_model)
+    longest = max(tokens)
+    alone = longest * min(step_cost[1:]) + per_key * longest * (longest + 1) / 2
     per_token = min(step_cost[n] / n for n in range(1, slots + 1))
-    spread = sum(tokens) * per_token / num_workers
+    spread = (sum(tokens) * per_token + per_key * sum(n * (n + 1) / 2 for n in tokens)) / num_workers
     return max(alone, spread)
 
 

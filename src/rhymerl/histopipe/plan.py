@@ -15,7 +15,11 @@ One interface, `plan`, for every policy, used by the real scheduler and by the s
   many sequences run: a worker holding one long group decodes its tail at a small batch;
 - `oracle`: the same as `histopipe` on the true lengths of every request (simulation only).
 
-A GRPO group stays whole on one worker (its siblings share the prompt's prefill and draft from each other).
+`plan` keeps a GRPO group whole on one worker (its siblings share the prompt's prefill and draft from each
+other). `plan_pieces` adds tier 2 for `histopipe` and `oracle`: a long group may be cut into pieces on
+several workers (`pieces.split_groups`), the pieces then placed like groups. `predicted` may give one length
+per group or, per group, one per request (`LengthPredictor.predict_group`: the group's spread, so that its
+longest member is costed as such).
 Each worker's list is its admission order: arrival order for the baselines, longest predicted first for
 `histopipe` and `oracle`, so that the longest requests do not start last and form the tail.
 """
@@ -26,7 +30,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rhymerl.histopipe.batching import Cost, decode_costs, worker_time
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, worker_time
+from rhymerl.histopipe.pieces import Piece, split_groups
 
 POLICIES = ("static", "least_loaded", "histopipe", "oracle")
 SCHEDULES = POLICIES[:3]  # rollout.schedule's choices: the policies a real pool can run (oracle needs the future)
@@ -46,14 +51,16 @@ def plan(groups: Sequence[int], num_workers: int, policy: str = "histopipe",
         groups: the number of requests in each group, in arrival order.
         num_workers: rollout workers (some may get nothing when there are fewer groups).
         policy: one of POLICIES (see the module doc).
-        predicted: each group's predicted response length (`LengthPredictor.predict`), one per group:
-            `histopipe` needs it, `least_loaded` with `balance="predicted"` reads it.
+        predicted: each group's predicted response length (`LengthPredictor.predict`), one per group, or
+            its requests' (`predict_group`): `histopipe` needs it, `least_loaded` with
+            `balance="predicted"` reads it.
         cost_model: `cost(tokens, seqs)` seconds of one forward (`CostModel`): `histopipe` and `oracle`.
         slots: a worker's slot count (sequences it runs at once): `histopipe` and `oracle`.
         true_lengths: per group, each request's true length: `oracle` only (the simulator passes it for
             `oracle` and for nothing else, so no other policy can peek).
         balance: `least_loaded`'s measure of work, "requests" (the fair baseline) or "predicted".
-        improve_rounds: `histopipe`/`oracle`: most moves of the local-improvement pass (default 4 x workers).
+        improve_rounds: `histopipe`/`oracle`: most moves of the local-improvement pass (default 4 x workers,
+            at most IMPROVE_ROUNDS_MAX).
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -64,20 +71,64 @@ def plan(groups: Sequence[int], num_workers: int, policy: str = "histopipe",
             return least_loaded(groups, num_workers)
         if balance == "predicted":
             _need(predicted, "predicted", policy, len(groups))
-            return least_loaded([p * size for p, size in zip(predicted, groups)], num_workers)
+            return least_loaded([sum(ls) for ls in _per_request(predicted, groups)], num_workers)
         raise ValueError(f"balance must be 'requests' or 'predicted', got {balance!r}")
     if policy in ("histopipe", "oracle"):
-        if cost_model is None or slots is None:
-            raise ValueError(f"policy {policy!r} needs cost_model and slots")
-        if policy == "histopipe":
-            _need(predicted, "predicted", policy, len(groups))
-            lengths = [[float(p)] * size for p, size in zip(predicted, groups)]
-        else:
-            _need(true_lengths, "true_lengths", policy, len(groups))
-            lengths = [[float(n) for n in ls] for ls in true_lengths]
-        rounds = 4 * num_workers if improve_rounds is None else improve_rounds
-        return balance_makespan(lengths, num_workers, slots, decode_costs(cost_model, slots), rounds)
+        lengths = _known_lengths(groups, policy, predicted, cost_model, slots, true_lengths)
+        return balance_makespan(lengths, num_workers, slots, decode_costs(cost_model, slots),
+                                _rounds(improve_rounds, num_workers), per_key_cost(cost_model))
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+
+
+def plan_pieces(groups: Sequence[int], num_workers: int, policy: str = "histopipe",
+                predicted: Sequence[float | Sequence[float]] | None = None, cost_model: Cost | None = None, *,
+                slots: int | None = None, true_lengths: Sequence[Sequence[float]] | None = None,
+                tier2: bool = True, split_at: float = 0.8, **kwargs) -> list[list[Piece]]:
+    """`plan` with tier 2: per worker, its pieces (group, request indices) in admission order. `histopipe`
+    and `oracle` with `tier2` cut long groups (`pieces.split_groups`, `split_at`) and place the pieces;
+    every other case is `plan`'s whole groups. kwargs: `plan`'s."""
+    if policy not in ("histopipe", "oracle") or not tier2:
+        assignment = plan(groups, num_workers, policy, predicted, cost_model, slots=slots,
+                          true_lengths=true_lengths, **kwargs)
+        return [[(g, tuple(range(groups[g]))) for g in ws] for ws in assignment]
+    lengths = _known_lengths(groups, policy, predicted, cost_model, slots, true_lengths)
+    pieces = split_groups(lengths, num_workers, slots, cost_model, split_at)
+    piece_lengths = [[lengths[g][i] for i in idx] for g, idx in pieces]
+    assignment = balance_makespan(piece_lengths, num_workers, slots, decode_costs(cost_model, slots),
+                                  _rounds(kwargs.get("improve_rounds"), num_workers), per_key_cost(cost_model))
+    return [[pieces[p] for p in ws] for ws in assignment]
+
+
+IMPROVE_ROUNDS_MAX = 256  # the local-improvement pass's default cap: each round costs O(groups of two workers^2)
+IMPROVE_GAIN = 1e-3  # a move or swap must bring the pair this share below the last finish: no hair-splitting
+
+
+def _rounds(improve_rounds: int | None, num_workers: int) -> int:
+    return min(4 * num_workers, IMPROVE_ROUNDS_MAX) if improve_rounds is None else improve_rounds
+
+
+def _per_request(predicted, groups: Sequence[int]) -> list[list[float]]:
+    """Per group, each request's predicted length: a group's single prediction repeated, or its list."""
+    out = []
+    for p, size in zip(predicted, groups):
+        if isinstance(p, (int, float)):
+            out.append([float(p)] * size)
+        elif len(p) != size:
+            raise ValueError(f"a group of {size} requests has {len(p)} predicted lengths")
+        else:
+            out.append([float(n) for n in p])
+    return out
+
+
+def _known_lengths(groups, policy, predicted, cost_model, slots, true_lengths) -> list[list[float]]:
+    """The per-request lengths `histopipe` (predicted) or `oracle` (true) plans on, checked."""
+    if cost_model is None or slots is None:
+        raise ValueError(f"policy {policy!r} needs cost_model and slots")
+    if policy == "histopipe":
+        _need(predicted, "predicted", policy, len(groups))
+        return _per_request(predicted, groups)
+    _need(true_lengths, "true_lengths", policy, len(groups))
+    return [[float(n) for n in ls] for ls in true_lengths]
 
 
 def _need(values, name: str, policy: str, n: int) -> None:
@@ -120,7 +171,7 @@ def admission_order(requests: Sequence[T], predicted: Sequence[float]) -> list[T
 
 
 def balance_makespan(lengths: Sequence[Sequence[float]], num_workers: int, slots: int,
-                     step_cost: Sequence[float], improve_rounds: int) -> list[list[int]]:
+                     step_cost: Sequence[float], improve_rounds: int, per_key: float = 0.0) -> list[list[int]]:
     """`histopipe`'s and `oracle`'s assignment, on per-request lengths of each group (predicted or true):
     LPT list scheduling by predicted finish, then `improve` (see the module doc)."""
     # A group ends with its longest request; ties go to the group with more work.
@@ -129,7 +180,7 @@ def balance_makespan(lengths: Sequence[Sequence[float]], num_workers: int, slots
     workers: list[list[int]] = [[] for _ in range(num_workers)]
 
     def finish(groups: list[int]) -> float:
-        return worker_time([n for g in groups for n in lengths[g]], slots, step_cost)
+        return worker_time([n for g in groups for n in lengths[g]], slots, step_cost, per_key)
 
     heap = [(0.0, w) for w in range(num_workers)]
     for g in rank:  # longest first, so each worker's list is longest first too
@@ -163,7 +214,7 @@ def improve(workers: list[list[int]], finish: Callable[[list[int]], float], posi
                         continue  # cannot beat what we have: skip the other half's timing
                     t_src = finish(new_src)
                     later = max(t_src, t_dst)
-                    if later < worst * (1 - 1e-12) and (best is None or later < best[0]):
+                    if later < worst * (1 - IMPROVE_GAIN) and (best is None or later < best[0]):
                         best = (later, dst, new_src, new_dst, t_src, t_dst)
         if best is None:
             return

@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rhymerl.histopipe.batching import Cost, WorkerRun, decode_costs, run_worker
+from rhymerl.histopipe.batching import Cost, WorkerRun, decode_costs, per_key_cost, run_worker
+from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.plan import plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
 from rhymerl.histopipe.timeline import Timeline
@@ -51,39 +52,50 @@ def simulate(lengths: Sequence[Sequence[int]], num_workers: int, policy: str, *,
     return run_plan(lengths, assignment, slots=slots, cost_model=cost_model, prefill=prefill)
 
 
-def run_plan(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int]], *, slots: int,
+def run_plan(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int | Piece]], *, slots: int,
              cost_model: Cost, prefill: Sequence[float] | None = None) -> Timeline:
-    """Run a given assignment (per worker, its groups in admission order) on the true `lengths`."""
+    """Run a given assignment (per worker, its groups, or pieces of groups, in admission order) on the true
+    `lengths`."""
     timeline = Timeline(busy=[[] for _ in assignment], finish=[], worker=[], occupancy=[[] for _ in assignment])
     _append_step(timeline, lengths, assignment, [0.0] * len(assignment), decode_costs(cost_model, slots), slots,
-                 prefill)
+                 prefill, per_key_cost(cost_model))
     return timeline
 
 
-def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int]],
+def as_pieces(assignment: Sequence[Sequence[int | Piece]], lengths: Sequence[Sequence[int]]) -> list[list[Piece]]:
+    """An assignment of whole groups (indices) or pieces, as pieces: (group, its request indices)."""
+    return [[(item, tuple(range(len(lengths[item])))) if isinstance(item, int) else item for item in items]
+            for items in assignment]
+
+
+def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int | Piece]],
                  ready: Sequence[float], step_cost: Sequence[float], slots: int,
-                 prefill: Sequence[float] | None = None) -> list[float | None]:
+                 prefill: Sequence[float] | None = None, per_key: float = 0.0) -> list[float | None]:
     """Run one step's `assignment` on the true `lengths`, worker w starting at `ready[w]`, and append it to
-    `timeline` (its groups after the ones already there). Returns each worker's end (None: given nothing)."""
-    _check_assignment(assignment, len(lengths))
+    `timeline` (its groups after the ones already there). Returns each worker's end (None: given nothing).
+    A split group's worker in the timeline is its first piece's."""
+    assignment = as_pieces(assignment, lengths)
+    _check_assignment(assignment, lengths)
     if prefill is not None and len(prefill) != len(lengths):
         raise ValueError(f"{len(lengths)} groups but {len(prefill)} prefill times")
     first = len(timeline.finish)
     timeline.finish.extend([0.0] * len(g) for g in lengths)
     timeline.worker.extend([-1] * len(lengths))
     ends: list[float | None] = []
-    for w, groups in enumerate(assignment):
-        requests = [(g, i) for g in groups for i in range(len(lengths[g]))]
+    for w, pieces in enumerate(assignment):
+        requests = [(g, i) for g, idx in pieces for i in idx]
         if not requests:
             ends.append(None)
             continue
-        pay = None if prefill is None else [prefill[g] if i == 0 else 0.0 for g, i in requests]
-        run: WorkerRun = run_worker([lengths[g][i] for g, i in requests], slots, step_cost, pay)
+        # a group's prefill is paid where its first request runs (each piece of a split group pays its own)
+        pay = None if prefill is None else [prefill[g] if i == idx[0] else 0.0 for g, idx in pieces for i in idx]
+        run: WorkerRun = run_worker([lengths[g][i] for g, i in requests], slots, step_cost, pay, per_key)
         at = ready[w]
         for (g, i), t in zip(requests, run.finish):
             timeline.finish[first + g][i] = at + t
-        for g in groups:
-            timeline.worker[first + g] = w
+        for g, _ in pieces:
+            if timeline.worker[first + g] < 0:
+                timeline.worker[first + g] = w
         # Continuous batching never idles while work is queued: one busy interval per step, from its start to
         # its last finish, merged with the previous step's when the worker went on without a pause.
         busy = timeline.busy[w]
@@ -96,10 +108,10 @@ def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignmen
     return ends
 
 
-def _check_assignment(assignment: Sequence[Sequence[int]], num_groups: int) -> None:
-    seen = sorted(g for groups in assignment for g in groups)
-    if seen != list(range(num_groups)):
-        raise ValueError(f"the assignment must hold each of the {num_groups} groups exactly once")
+def _check_assignment(assignment: Sequence[Sequence[Piece]], lengths: Sequence[Sequence[int]]) -> None:
+    seen = sorted((g, i) for pieces in assignment for g, idx in pieces for i in idx)
+    if seen != [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]:
+        raise ValueError(f"the assignment must hold each of the {len(lengths)} groups exactly once")
 
 
 @dataclass
@@ -171,7 +183,7 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     for name, given in (("predictions", predicted), ("assignments", assignments)):
         if given is not None and len(given) != len(steps):
             raise ValueError(f"{len(steps)} steps but {len(given)} lists of {name}")
-    step_cost = decode_costs(cost_model, slots)
+    step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],
                         occupancy=[[] for _ in range(num_workers)])
     worker_end = [0.0] * num_workers
@@ -186,7 +198,7 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
         k = t - _LAG[mode]  # the update whose weights this step runs on (none before step 1)
         weights = updates[k - 1][1] if k >= 1 else 0.0
         ready = [max(end, weights) for end in worker_end]
-        ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots)
+        ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots, per_key=per_key)
         done = [e for e in ends if e is not None]
         start = min((r for r, e in zip(ready, ends) if e is not None), default=max(ready))
         end = max(done, default=start)

@@ -214,7 +214,8 @@ class TrainingRun:
                       for i, p in enumerate(prompts)]
             lengths = [[len(o.token_ids) for o in outs] for _, outs, *_ in groups]
             if not rhyme:  # before the history learns this step
-                rhyme = length_report(self.history, [p.ids for p in prompts], lengths)
+                rhyme = length_report(self.history, [p.ids for p in prompts], lengths,
+                                      cap=cfg.rollout.max_completion_length)
             traced += [(prompt_key(p.ids), ls) for p, ls in zip(prompts, lengths)]
             for p, outs, rewards, *_ in groups:  # the history store drafts next epoch's rollouts of these prompts
                 self.pool.record(p.ids, [o.token_ids for o in outs], rewards)

@@ -44,17 +44,18 @@ def rollout_metrics(prefix: str, result: RolloutResult) -> dict:
     return m | timeline_metrics(result, prefix)
 
 
-def length_report(history: HistoryStore, prompt_ids: Sequence[list[int]], group_lengths: Sequence[list[int]]) -> dict:
+def length_report(history: HistoryStore, prompt_ids: Sequence[list[int]], group_lengths: Sequence[list[int]],
+                  cap: int | None = None) -> dict:
     """HistoPipe's premise checked every step (call it before the history records the step): the rank
-    correlation between the mean length of each prompt's previous group (for the prompts that have one) and
-    of its group now, and the share of prompts whose rank moved far. The previous rollout alone: in the
-    default job the first epochs' responses hit the length cap, and a statistic over older rollouts tied
-    every prompt."""
+    correlation between the length the scheduler's predictor (`LengthPredictor`, the censored lognormal, its
+    lengths at `cap` = max_completion_length taken as lower bounds) predicts for each prompt that has a
+    history and its group's mean length now, and the share of prompts whose rank moved far. The same
+    predictor the Ray pool's `histopipe` schedule plans with, so the metric reports what the scheduler
+    sees."""
     seen = [i for i, ids in enumerate(prompt_ids) if ids in history]
     if len(seen) < 2:
         return {}
-    predictor = LengthPredictor.from_history(history, [prompt_ids[i] for i in seen], statistic="mean",
-                                             max_rollouts=1)
+    predictor = LengthPredictor.from_history(history, [prompt_ids[i] for i in seen], cap=cap)
     predicted = predictor.predict_many([prompt_ids[i] for i in seen])
     report = rank_report(predicted, [sum(group_lengths[i]) / len(group_lengths[i]) for i in seen])
     out = {"histopipe/prompts_with_history": len(seen), "histopipe/moved_far": report["moved_far"]}

@@ -84,6 +84,7 @@ class RolloutWorker:
         # The running call's length predictor, built on first use (the admission order, a hand-over) from the
         # call's prompts: once a call at most, and never for a call that needs none (fifo, no hand-over).
         self._call_prompts: list[list[int]] = []
+        self._call_cap: int | None = None  # the call's max_tokens: a recorded length there was cut (censored)
         self._predictor: LengthPredictor | None = None
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
@@ -99,9 +100,10 @@ class RolloutWorker:
 
     def _predict(self, prompt_ids: list[int]) -> float:
         """The predicted response length of a request of this prompt (one of the running call's), from the
-        history replica (`LengthPredictor`, over the call's prompts)."""
+        history replica (`LengthPredictor`, over the call's prompts, lengths at the call's max_tokens censored:
+        the predictor the pool plans with and `histopipe/rank_corr` reports)."""
         if self._predictor is None:
-            self._predictor = LengthPredictor.from_history(self.history, self._call_prompts)
+            self._predictor = LengthPredictor.from_history(self.history, self._call_prompts, cap=self._call_cap)
         return self._predictor.predict(prompt_ids)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
@@ -139,7 +141,7 @@ class RolloutWorker:
         stats = WorkerStats(self.worker_id, started=time.time())
         stats.history_prompts_replaced = self.history.merge(history)
         self._call_prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in continuations]
-        self._predictor = None
+        self._call_cap, self._predictor = params.max_tokens, None
         self.engine.take_stats()  # this call's counters start here
         order = self.admission_order(groups, step)
         prompts = [g.prompt_ids for g in order for _ in g.request_ids]

@@ -1,0 +1,274 @@
+"""One sync step on every worker at once, with migration between them (docs/design.md, section 4,
+"HistoPipe, part by part": Migration).
+
+`simulate`'s workers run apart (`batching.run_worker`, one call each). Migration needs them together: a
+worker that runs out of work takes requests from others mid-step. This is the same batching model (fixed
+slots, a freed slot refilled for the next step, a step of n sequences costing `step_cost[n]` plus attention)
+driven by one clock over all workers: each worker's next event is its next finish; a moved request leaves
+its worker at that worker's next step boundary and, on its new worker, first re-prefills the tokens it has
+generated (the prompt left out, as everywhere here; `reprefill`), then decodes on. Without migration it
+gives `run_worker`'s times exactly (tested).
+
+Rules (`migration`):
+- "half_busiest" (what `rollout.migration` does today): a worker out of work takes half the unfinished
+  requests of the worker with the most: waiting ones first (the last queued first), then the running ones
+  furthest past their predicted length;
+- "tail" (the paper's): a request is moved when it is in its group's tail, among the last `tail_share` of
+  the group's requests still unfinished, and has grown past (1 + `grow`) x its prompt's history prediction
+  (its group's predicted longest member). Each worker out of work takes one such request, from the worker
+  running the most sequences; a request alone on its worker is left there (moving it gains nothing);
+- "steal": a worker whose own queue has run dry while it has a free slot takes waiting requests (never
+  running ones: nothing to re-prefill, nothing to hand over but the request) from the back of the longest
+  queue (longest-first admission leaves the shortest predicted there), half of that queue up to its free
+  slots. The plan balanced predicted work; this evens out what the predictions got wrong while there is
+  still waiting work to move. Moved siblings no longer share their group's worker.
+Rules combine with "+" (e.g. "steal+tail").
+
+Every finish is reported to `predictor.observe_finished` when a predictor is given, and the running
+requests' predicted lengths are then its live `predict` (what "furthest past predicted" reads).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from rhymerl.histopipe.batching import ContextCost, Cost, decode_costs, per_key_cost, run_cost
+from rhymerl.histopipe.pieces import Piece
+from rhymerl.histopipe.timeline import Timeline
+
+MIGRATIONS = ("half_busiest", "tail", "steal", "steal+tail")
+
+
+class _Worker:
+    def __init__(self, queue: list[int]):
+        self.queue = deque(queue)  # request ids waiting, admission order
+        self.prefill: dict[int, float] = {}  # a moved request's re-prefill seconds, paid when admitted
+        self.carried: dict[int, float] = {}  # a moved request's tokens generated before the move
+        self.running: list[tuple[float, int]] = []  # heap of (finish step, request)
+        self.watch: list[tuple[float, int]] = []  # heap of (step, request): a tail request's threshold
+        self.admitted: dict[int, float] = {}  # request -> the step it would have started at (keys: see batching)
+        self.step = self.clock = self.key_base = 0.0
+        self.version = 0  # bumps when the worker's running set changes off its own events
+        self.busy: list[tuple[float, float]] = []
+        self.occupancy: list[tuple[float, int]] = []
+
+
+def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[Piece]], *, slots: int,
+                   cost_model: Cost, predicted: Sequence[Sequence[float]], migration: str | None = None,
+                   tail_share: float = 0.1, grow: float = 0.2, predictor=None,
+                   keys: Sequence[str] | None = None) -> tuple[Timeline, int]:
+    """Run one sync step of `assignment` (per worker, its pieces in admission order) on the true `lengths`
+    with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
+    request lengths (its history's). Returns the timeline and the number of requests moved."""
+    rules = set(migration.split("+")) if migration else set()
+    if migration is not None and not rules <= {"half_busiest", "tail", "steal"}:
+        raise ValueError(f"unknown migration {migration!r}; choose from {', '.join(MIGRATIONS)}")
+    step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
+    reqs = [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]
+    rid = {r: k for k, r in enumerate(reqs)}
+    length = [max(float(lengths[g][i]), 1.0) for g, i in reqs]
+    unfinished = [len(ls) for ls in lengths]
+    threshold = [(1 + grow) * max(predicted[g]) for g, _ in reqs]
+    workers = [_Worker([rid[(g, i)] for g, idx in pieces for i in idx]) for pieces in assignment]
+    where = {r: w for w, wk in enumerate(workers) for r in wk.queue}
+    if sorted(where) != list(range(len(reqs))):
+        raise ValueError("the assignment must hold each request exactly once")
+    finish = [[0.0] * len(ls) for ls in lengths]
+    events: list[tuple[float, int, int]] = []  # (time, worker, its version then)
+    moved = 0
+    tail = [math.ceil(tail_share * len(ls)) for ls in lengths]  # a group's tail: its last unfinished requests
+    candidates: set[int] = set()  # "tail": requests in their group's tail, grown past their threshold
+    idle: set[int] = set()  # workers out of work
+
+    prefill_pair = cost_model.prefill_per_pair if isinstance(cost_model, ContextCost) else 0.0
+
+    def reprefill(tokens: float) -> float:
+        """Seconds to re-prefill `tokens` generated tokens on the new worker: each at a full decode batch's
+        per-token cost (a prefill is at least as efficient), plus the causal attention's pairs."""
+        return tokens * step_cost[slots] / slots + prefill_pair * tokens * (tokens + 1) / 2
+
+    def live_prediction(r: int) -> float:
+        g = reqs[r][0]
+        return predictor.predict(keys[g]) if predictor is not None else max(predicted[g])
+
+    queues = [(-len(wk.queue), w) for w, wk in enumerate(workers)]  # lazy heap: the longest queue first
+    heapq.heapify(queues)
+
+    def steal(w: int) -> None:  # w's queue is dry and it has free slots: take from the longest queue
+        nonlocal moved
+        while queues:
+            size, v = heapq.heappop(queues)
+            now_size = len(workers[v].queue)
+            if -size != now_size:  # stale (the queue has shrunk since): put it back at its size
+                if now_size:
+                    heapq.heappush(queues, (-now_size, v))
+                continue
+            if now_size < 2:  # the longest queue holds one request at most: leave it
+                heapq.heappush(queues, (size, v))
+                return
+            n = min(slots - len(workers[w].running), now_size // 2)
+            for _ in range(n):
+                r = workers[v].queue.pop()
+                workers[w].queue.append(r)
+                where[r] = w
+            moved += n
+            heapq.heappush(queues, (-(now_size - n), v))
+            return
+
+    def schedule(w: int) -> None:
+        wk = workers[w]
+        if "steal" in rules and not wk.queue and len(wk.running) < slots:
+            steal(w)
+        while wk.queue and len(wk.running) < slots:  # refill the free slots before the next step
+            r = wk.queue.popleft()
+            pay = wk.prefill.pop(r, 0.0)
+            if pay:  # busy re-prefilling
+                if wk.busy and wk.busy[-1][1] >= wk.clock:
+                    wk.busy[-1] = (wk.busy[-1][0], wk.clock + pay)
+                else:
+                    wk.busy.append((wk.clock, wk.clock + pay))
+                wk.clock += pay
+            done = wk.carried.pop(r, 0.0)  # tokens generated elsewhere before a migration
+            wk.admitted[r] = wk.step - done
+            wk.key_base += wk.admitted[r]
+            heapq.heappush(wk.running, (wk.step + length[r] - done, r))
+            if "tail" in rules and unfinished[reqs[r][0]] <= tail[reqs[r][0]]:
+                heapq.heappush(wk.watch, (wk.admitted[r] + threshold[r], r))
+        if not wk.occupancy or wk.occupancy[-1][1] != len(wk.running):
+            wk.occupancy.append((wk.clock, len(wk.running)))
+        while wk.watch and (wk.watch[0][1] not in wk.admitted or wk.watch[0][0] <= wk.step):
+            _, r = heapq.heappop(wk.watch)
+            if r in wk.admitted:  # still running here, past its threshold
+                candidates.add(r)
+        if wk.running:
+            nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf)
+            heapq.heappush(events, (wk.clock + run_cost(len(wk.running), wk.step, nxt, wk.key_base, step_cost,
+                                                        per_key), w, wk.version))
+
+    def advance(w: int, to_step: float) -> None:  # run w's current batch up to `to_step`, finishes included
+        wk = workers[w]
+        start = wk.clock
+        wk.clock += run_cost(len(wk.running), wk.step, to_step, wk.key_base, step_cost, per_key)
+        wk.step = to_step
+        while wk.running and wk.running[0][0] <= to_step:
+            r = heapq.heappop(wk.running)[1]
+            g, i = reqs[r]
+            finish[g][i] = wk.clock
+            wk.key_base -= wk.admitted.pop(r)
+            unfinished[g] -= 1
+            candidates.discard(r)
+            if "tail" in rules and unfinished[g] == tail[g]:  # the group's tail begins: watch its members
+                for j in range(len(lengths[g])):
+                    q = rid[(g, j)]
+                    o = workers[where[q]]
+                    if q in o.admitted:
+                        heapq.heappush(o.watch, (o.admitted[q] + threshold[q], q))
+                        if o is not wk:
+                            o.version += 1
+                            pending.add(where[q])
+            if predictor is not None:
+                predictor.observe_finished(keys[g], int(length[r]))
+        if wk.busy and wk.busy[-1][1] >= start:
+            wk.busy[-1] = (wk.busy[-1][0], wk.clock)
+        else:
+            wk.busy.append((start, wk.clock))
+
+    def boundary(w: int, now: float) -> None:  # bring w to its first step boundary at or after `now`
+        wk = workers[w]
+        if not wk.running or wk.clock >= now:
+            return
+        n, lo, hi = len(wk.running), 0, int(wk.running[0][0] - wk.step)
+        while lo < hi:  # the fewest whole steps that reach `now`
+            mid = (lo + hi) // 2
+            if wk.clock + run_cost(n, wk.step, wk.step + mid, wk.key_base, step_cost, per_key) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        advance(w, wk.step + lo)
+        wk.version += 1  # its queued event was priced from before: price the rest again
+        schedule(w)
+
+    def take(src: int, dst: int, rs: list[int], now: float) -> None:  # move `rs` (src at a boundary) to dst
+        nonlocal moved
+        s, d = workers[src], workers[dst]
+        for r in rs:
+            if r in s.admitted:  # running: it carries its generated tokens over and re-prefills them
+                s.running.remove(next(x for x in s.running if x[1] == r))
+                done = s.step - s.admitted.pop(r)
+                s.key_base -= s.step - done
+                d.carried[r] = done
+                d.prefill[r] = reprefill(done)
+            else:
+                s.queue.remove(r)
+            d.queue.append(r)
+            where[r] = dst
+        heapq.heapify(s.running)
+        moved += len(rs)
+        s.version += 1
+        schedule(src)
+        d.clock = max(d.clock, now, s.clock)
+        d.version += 1
+        schedule(dst)
+
+    def half_busiest(idle_w: int, now: float) -> None:  # idle_w takes half of the busiest worker's requests
+        src = max(range(len(workers)), key=lambda w: (len(workers[w].running) + len(workers[w].queue), -w))
+        if src == idle_w or not (workers[src].running or workers[src].queue):
+            return
+        boundary(src, now)
+        s = workers[src]
+        n = (len(s.running) + len(s.queue)) // 2
+        running = sorted((r for _, r in s.running), key=lambda r: live_prediction(r) - (s.step - s.admitted[r]))
+        picked = (list(s.queue)[::-1] + running)[:n]
+        if picked:
+            take(src, idle_w, picked, now)
+
+    def tail_moves(now: float) -> None:  # each idle worker takes one candidate, from the fullest worker first
+        ready = sorted((r for r in candidates if len(workers[where[r]].running) >= 2),
+                       key=lambda r: (-len(workers[where[r]].running), r))
+        for idle_w in sorted(idle):
+            while ready:
+                r = ready.pop(0)
+                src = where[r]
+                if r not in workers[src].admitted:
+                    continue
+                boundary(src, now)  # which may finish it, or others
+                if r in workers[src].admitted and len(workers[src].running) >= 2:  # still so after moves
+                    candidates.discard(r)
+                    take(src, idle_w, [r], now)
+                    break
+
+    pending: set[int] = set()  # workers whose watches changed off their own events: rescheduled next
+    for w in range(len(workers)):
+        schedule(w)
+    while events:
+        t, w, version = heapq.heappop(events)
+        wk = workers[w]
+        if version != wk.version or not wk.running:
+            continue
+        nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf)
+        had = len(candidates)
+        advance(w, nxt)
+        schedule(w)
+        for p in sorted(pending):
+            if p != w:
+                schedule(p)
+        pending.clear()
+        if not rules - {"steal"}:
+            continue
+        if not wk.running and not wk.queue:
+            idle.add(w)
+            if "half_busiest" in rules:  # asked once, when the worker runs out (as the Ray pool does)
+                half_busiest(w, t)
+        if "tail" in rules and idle and candidates and (w in idle or len(candidates) > had):
+            tail_moves(t)
+        idle = {i for i in idle if not (workers[i].running or workers[i].queue)}
+    worker_of = [0] * len(lengths)
+    for pieces_w, pieces in reversed(list(enumerate(assignment))):
+        for g, _ in pieces:
+            worker_of[g] = pieces_w  # a split group: its first piece's worker
+    timeline = Timeline(busy=[wk.busy for wk in workers], finish=finish, worker=worker_of,
+                        occupancy=[wk.occupancy if wk.busy else [] for wk in workers])
+    return timeline, moved
