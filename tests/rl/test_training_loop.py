@@ -498,16 +498,44 @@ def test_dynamic_sampling_needs_sync_mode(tiny_dir, tmp_path):
                                      "rollout.mode=one_step_off"))
 
 
-def test_two_update_ranks_train_as_one_process_and_their_checkpoint_resumes_in_one(tiny_dir, tmp_path):
-    """train.world_size=2 (FSDP2 over gloo, ranks as processes): the loop learns what one process learns, and
-    its checkpoint, resumed with train.world_size=1, continues as the uninterrupted one-process run."""
-    common = ["val.every=0", "run.save_every=2", "train.max_grad_norm=0.1"]
-    one = _learned(read_metrics(TrainingRun(load_config(None, _overrides(
-        tiny_dir, tmp_path / "one", "train.total_steps=3", *common))).run()))
+def _rank_pids(driver: int, n: int) -> list[int]:
+    """The update's `n` rank processes of a `rhymerl train` driver: the first of its children started by
+    multiprocessing's spawn (the run starts its ranks before the reward scorer's process)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(fields[1]) == driver and b"spawn_main" in cmd:
+            found.append((int(fields[19]), int(stat.parent.name)))  # (start time, pid)
+    return [pid for _, pid in sorted(found)[:n]]
+
+
+def test_two_update_ranks_train_as_one_process_survive_a_killed_rank_and_resume_in_one(tiny_dir, tmp_path):
+    """train.world_size=2 (FSDP2 over gloo, ranks as processes): a rank killed with SIGKILL stops `rhymerl
+    train` with one line and the last checkpoint intact; resumed with train.world_size=1, the run logs what the
+    uninterrupted one-process run logs."""
+    common = ["val.every=0", "run.save_every=1", "train.max_grad_norm=0.1", "train.total_steps=3"]
+    one = _learned(read_metrics(TrainingRun(load_config(None, _overrides(tiny_dir, tmp_path / "one", *common))).run()))
     two = tmp_path / "two"
-    TrainingRun(load_config(None, _overrides(tiny_dir, two, "train.total_steps=2", "train.world_size=2",
-                                             *common))).run()
-    TrainingRun.resume(two, ["train.total_steps=3", "train.world_size=1"]).run()
+    proc = subprocess.Popen(_train_cmd(*_overrides(tiny_dir, two, "train.world_size=2", *common)),
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (two / "checkpoints" / "step_000002" / "state.json").exists():
+        time.sleep(0.05)
+    ranks = _rank_pids(proc.pid, 2)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rhymerl: error: rank ") and "killed by SIGKILL" in last and "--resume" in last
+    assert "Traceback" not in err
+    assert latest_checkpoint(two).name == "step_000002"
+    TrainingRun.resume(two, ["train.world_size=1"]).run()
     rows = _learned(read_metrics(two))
     assert [r["step"] for r in rows] == [r["step"] for r in one] == [0, 1, 2, 3]
     assert sum(r.get("actor/trained_seqs", 0) for r in one) > 0
