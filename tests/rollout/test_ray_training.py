@@ -21,6 +21,7 @@ from rhymerl.cost_model import CostModel
 from rhymerl.metrics import read_metrics
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.rl.loop import TrainingRun
+from rhymerl.rollout.types import WorkersFailed
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
 
@@ -245,7 +246,7 @@ def test_a_resume_with_two_or_one_workers_repeats_the_run(cluster, ray_run, tmp_
 def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, local_rows, tiny_dir, tmp_path, capfd):
     """One worker, allowed one restart: its actor killed during step 3's rollout, and the fresh actor failing to
     start (the model directory it builds from is gone), which counts as its second failure, leave no worker:
-    the run stops with one RuntimeError naming rollout.max_worker_restarts. The checkpoint of step 2 is
+    the run stops with one WorkersFailed naming rollout.max_worker_restarts. The checkpoint of step 2 is
     intact: a resume (on the local backend) finishes the run as the uninterrupted one."""
     half = half_run(ray_run, tmp_path / "half")
     model = shutil.copytree(tiny_dir, tmp_path / "model")
@@ -253,10 +254,10 @@ def test_a_run_whose_last_worker_is_dropped_fails_cleanly(cluster, ray_run, loca
                              cost_model=FLAT)
     shutil.rmtree(model)  # a restarted worker cannot build its model any more
     faults = Faults(run, kill_at={2}, victim=0)  # the resumed run's first rollout (step 3 as logged)
-    with pytest.raises(RuntimeError, match=r"failed to restart .*rollout.max_worker_restarts.*no rollout worker is "
+    with pytest.raises(WorkersFailed, match=r"failed to restart .*rollout.max_worker_restarts.*no rollout worker is "
                                            r"left") as err:
         train(run)
-    assert type(err.value) is RuntimeError  # one error, not a trail of Ray's
+    assert type(err.value) is WorkersFailed  # one error, not a trail of Ray's
     assert "".join(traceback.format_exception(err.value)).count("Traceback") == 1
     assert len(faults.killed) == 1 and not alive(faults.killed[0])
     assert run.pool.restarts == [1] and run.pool.workers == []
