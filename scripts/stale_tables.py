@@ -5,7 +5,8 @@ code that its command runs. The code a command runs is the source files of its e
 every rhymerl module that imports, directly or through others (found from the `import` statements, those
 inside functions included), plus the C++ kernels where the CPU backend's loader is among them; the files
 only the other kind of device runs are left out (on a CPU machine the CUDA graph backend, on a GPU the CPU
-kernels). "Later" is `git log MEASURED..HEAD`: a table measured at two commits counts from the older one.
+kernels). "Later" is `git log MEASURED..HEAD`: a table measured at two commits counts from the older one of
+those in HEAD's history (a heading may name a commit from before a rebase beside its rebased one).
 
     python scripts/stale_tables.py          # list each table, exit 1 where its mark disagrees with the rule
     python scripts/stale_tables.py --write  # put the marks right (then commit the page)
@@ -98,9 +99,19 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 
+def _in_history(commit: str) -> bool:
+    return subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT,
+                          capture_output=True).returncode == 0
+
+
 def later_commits(commits: list[str], files: list[str]) -> list[str]:
-    """Commits after the oldest of `commits` (up to HEAD) that change any of `files` (relative to src/)."""
-    oldest = min(commits, key=lambda c: int(_git("rev-list", "--count", c).strip()))
+    """Commits after the oldest of `commits` (up to HEAD) that change any of `files` (relative to src/). A
+    commit outside HEAD's history (a branch's before it was rebased, the heading naming both) is not counted
+    from; where none of them is in it, the table cannot be shown current: the first of them stands for all."""
+    known = [c for c in commits if _in_history(c)]
+    if not known:
+        return commits[:1]
+    oldest = min(known, key=lambda c: int(_git("rev-list", "--count", c).strip()))
     return _git("log", "--format=%h", f"{oldest}..HEAD", "--", *(f"src/{f}" for f in files)).split()
 
 
@@ -112,7 +123,8 @@ def tables(text: str) -> list[tuple[int, str, str, list[str]]]:
             command = next((c for c in ENTRY if f"`{c}`" in line), None)
         m = _HEADING.match(line)
         if m and command:
-            out.append((i, command, m["machine"].strip(), re.findall(r"[0-9a-f]{7,40}", m["commits"])))
+            # every hash from "commit" on: "commits A and B", "commit A (B after a rebase)"
+            out.append((i, command, m["machine"].strip(), re.findall(r"\b[0-9a-f]{7,40}\b", line[m.start("commits"):])))
     return out
 
 
