@@ -14,6 +14,7 @@ from rhymerl import cli
 from rhymerl.bench import engine_bench
 from rhymerl.bench.hf_generate import mode_keys, parse_hf_modes
 from rhymerl.engine.backends import CudaBackend
+from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
 
@@ -45,7 +46,9 @@ def test_run_reports_every_mode_and_the_bound(model_dir, capsys):
                            "hf_static_tokens", "hf_static_s", "hf_static_tok_s", "speedup_vs_static"):
             assert key in row, (b, key)
         assert not any(k.endswith("_error") for k in row)
-        assert row["prompts"] == 3 and 0 < row["hf_tokens"] <= 3 * 4 and 0 < row["hf_static_tokens"] <= 3 * 4
+        # transformers runs HF_BATCHES (2) batches at most: 2 prompts at batch 1, all 3 at batch 2
+        assert row["prompts"] == 3 and row["hf_prompts"] == min(3, engine_bench.HF_BATCHES * int(b))
+        assert 0 < row["hf_tokens"] <= row["hf_prompts"] * 4 and 0 < row["hf_static_tokens"] <= row["hf_prompts"] * 4
         # from the bandwidth and bytes: bound_forward_ms is rounded to 0.1 us, coarse for so tiny a model
         bound = int(b) * summary["bandwidth_gb_s"] * 1e9 / summary["weight_bytes"]
         assert row["bound_tok_s"] == pytest.approx(bound, rel=1e-2)
@@ -129,21 +132,30 @@ def test_cli_passes_the_modes_and_leaves_the_batches_to_the_device(monkeypatch, 
 
     monkeypatch.setattr(engine_bench, "run", fake_run)
     assert cli.main(["bench", "engine", "--hf-modes", "eager,compiled", "--device", "cpu"]) == 0
-    assert seen["args"][2] is None and seen["args"][-1] == "eager,compiled"
+    assert seen["args"][2] is None and seen["args"][-2:] == ("eager,compiled", engine_bench.HF_BATCHES)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == "m"
 
 
-def test_an_untimed_first_run_leaves_the_timed_runs_counters_alone():
-    """On a GPU the same rollout runs once untimed (graph captures), then timed on the same engine: the
-    engine's counters are the timed run's, and the CUDA backend's counts are reported."""
+def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(monkeypatch):
+    """Where the backend replays CUDA graphs, every step shape is captured before the timed run: the engine's
+    counters are the timed run's, and the timed run captures nothing ("static" mode: the CPU's stand-in, which
+    runs each bucket once where a GPU captures it)."""
     model = tiny_decoder("llama")
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     params = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
-    tok, _, engine, warm_s = engine_bench.ours_generate(model, None, prompts, 2, params, 32, untimed_first=True)
-    assert warm_s > 0 and engine.stats.generated_tokens == tok
-    engine.runner.backend = CudaBackend(model, engine.cache, "static")
-    engine.generate(prompts, params)
-    fields = engine_bench.step_fields(engine, warm_s)
+    built = []
+
+    def static_engine(*args, **kw):
+        engine = Engine(*args, **kw)
+        engine.runner.backend = CudaBackend(model, engine.cache, "static")
+        built.append(engine.runner.backend)
+        return engine
+
+    monkeypatch.setattr(engine_bench, "Engine", static_engine)
+    tok, _, engine, capture = engine_bench.ours_generate(model, None, prompts, 2, params, 32)
+    assert engine.stats.generated_tokens == tok and capture[1] > 0
+    assert len(built[0].buckets) == len(built[0].shapes.every(4))  # every bucket, chains up to the longest prompt
+    fields = engine_bench.step_fields(engine, capture)
     assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] > 0
-    assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured"] == 0
+    assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured_timed"] == 0
     assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step

@@ -4,8 +4,9 @@ against the memory-bandwidth bound.
 Tokens/s counts generated tokens up to and including EOS (or the length limit). transformers generates a
 batch of `b` prompts at a time, left-padded, until its longest response ends: that is how a CPU user of
 TRL without vLLM rolls out; it runs in the `--hf-modes` asked for (`rhymerl.bench.hf_generate`: eager, static
-KV cache, static cache + torch.compile). Our engine runs the same prompts through `b` slots with continuous
-batching.
+KV cache, static cache + torch.compile), on the first `--hf-batches` batches only (a rate is a rate, and its
+eager mode is slow). Our engine runs the prompts through `b` slots with continuous batching; on a GPU it
+captures a graph for every step shape first (`capture_s`, apart from the timed run).
 
 The bound: a decoding forward reads every weight once, so it cannot take less than weight bytes / memory
 bandwidth (the bandwidth measured here, by a large copy on the device). At batch b that caps throughput at
@@ -34,6 +35,7 @@ from rhymerl.tasks.arithmetic import make_problems, prompt_text
 # 4 requests per slot from batch 8 up, as in an RL rollout (prompts x generations >> slots)
 DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 128, 128: 512}
 DEFAULT_BATCHES = {"cpu": (1, 8, 32), "cuda": (1, 8, 32, 128)}
+HF_BATCHES = 2  # transformers' side: at most this many batches per batch size (`run`)
 
 
 def default_batches(device: str | torch.device) -> list[int]:
@@ -82,32 +84,29 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams, max_model_len: int,
-                  untimed_first: bool | None = None) -> tuple[int, float, Engine, float]:
-    """(generated tokens, seconds, the engine, untimed first run's seconds). With `untimed_first` (None: where
-    the backend replays CUDA graphs), the same rollout runs once untimed first, on the same engine: the CUDA
-    backend captures a graph the first time a step shape occurs, as transformers' compiled path compiles in
-    its warm-up, and the keyed draws make the timed run repeat the same shapes. In RL the engine lives across
-    steps, so captures are a start-up cost."""
+def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
+                  max_model_len: int) -> tuple[int, float, Engine, tuple[int, float]]:
+    """(generated tokens, seconds, the engine, (graphs captured, seconds) before the timed run). Where the
+    backend replays CUDA graphs, every step shape is captured first, untimed (`capture_every_shape`), as
+    transformers' compiled path compiles in its warm-up: in RL the engine lives across steps, so captures are
+    a start-up cost. `graphs_captured_timed` (`step_fields`) shows that the timed run captured nothing."""
     engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len)
-    warm_s = 0.0
-    if untimed_first is None:
-        untimed_first = getattr(engine.runner.backend, "mode", None) == "graphs"
-    if untimed_first:
-        t0 = time.perf_counter()
-        engine.generate(prompts, params)
-        warm_s = time.perf_counter() - t0
-        engine.take_stats()  # the timed run's counters start here
+    backend = engine.runner.backend
+    capture = (0, 0.0)
+    if isinstance(backend, CudaBackend):
+        capture = (backend.captured, backend.capture_every_shape(max(map(len, prompts)))[1])
+    engine.take_stats()  # the timed run's counters start here
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, warm_s
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, capture
 
 
-def step_fields(engine: Engine, warm_s: float) -> dict:
+def step_fields(engine: Engine, capture: tuple[int, float] = (0, 0.0)) -> dict:
     """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
     GPU, where the forward only queues its work, the wait for the device's results and the host's share of
-    the step (the rest); and what the CUDA backend did (graphs captured before and during the timed run,
-    parts it ran eagerly)."""
+    the step (the rest); and
+    what the CUDA backend did (`capture`: graphs captured before the timed run and their seconds; then the
+    graphs captured during it, which should be none, replays, parts run eagerly)."""
     stats, backend = engine.stats, engine.runner.backend
     steps = max(stats.forward_passes, 1)
     out = {"ours_step_ms": round(1e3 * stats.busy_s / steps, 3),
@@ -116,17 +115,23 @@ def step_fields(engine: Engine, warm_s: float) -> dict:
         out.update(ours_device_wait_ms=round(1e3 * stats.device_wait_s / steps, 3),
                    ours_host_share=round(1 - stats.device_wait_s / max(stats.busy_s, 1e-9), 3))
     if isinstance(backend, CudaBackend):
-        out.update(graphs_captured=backend.captured, graph_replays=backend.replays,
-                   eager_parts=backend.eager_parts, warm_up_s=round(warm_s, 2))
+        out.update(graphs_captured=capture[0], capture_s=round(capture[1], 2),
+                   graphs_captured_timed=backend.captured - capture[0], graph_replays=backend.replays,
+                   eager_parts=backend.eager_parts)
     return out
 
 
 def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-        skip_hf: bool = False, device: str | None = None, hf_modes: str | list[str] = "eager") -> dict:
+        skip_hf: bool = False, device: str | None = None, hf_modes: str | list[str] = "eager",
+        hf_batches: int = HF_BATCHES) -> dict:
     """Our engine vs transformers `generate` in each of `hf_modes` (a list, or `--hf-modes`' text; none with
     `skip_hf`) at each batch size (default: `default_batches` of the device), with the bandwidth bound; the
-    bench's summary (JSON-able)."""
+    bench's summary (JSON-able). transformers runs `hf_batches` batches of the batch size at most (its
+    `hf_prompts` first prompts): a rate is a rate, and its eager mode is the slow side (minutes at batch 1
+    on a GPU for all of ours)."""
+    if hf_batches < 1:
+        raise UserError(f"bench engine: --hf-batches must be at least 1, got {hf_batches}")
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     except ValueError as e:  # its range checks, naming the field: before the model loads
@@ -161,7 +166,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
     # batch size below.
     progress.stage("warm-up")
     warm, greedy8 = all_prompts[:2], SamplingParams(temperature=0, max_tokens=8)
-    ours_generate(model, tokenizer, warm, 2, greedy8, max_model_len)
+    Engine(model, tokenizer, num_slots=2, max_model_len=max_model_len).generate(warm, greedy8)
     eager_error = None
     if "eager" in hf_modes:
         try:
@@ -172,16 +177,21 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
     for b in batches:
         prompts = all_prompts[: counts[b]]
         progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
-        tok, sec, engine, warm_s = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
+        tok, sec, engine, capture = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
         ours_tok_s = tok / sec
+        if capture[1]:
+            progress.note(f"batch {b}: every step shape captured before the timed run, {capture[1]:.1f} s")
         bound_tok_s = b / bound_forward_s
         row = {"prompts": len(prompts), "ours_tokens": tok, "ours_s": round(sec, 2), "ours_tok_s": round(ours_tok_s, 1),
                "ours_forwards": engine.stats.forward_passes,
                "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
                "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3),
-               **step_fields(engine, warm_s)}
+               **step_fields(engine, capture)}
+        hf_prompts = prompts[: hf_batches * b]
+        if hf_modes:
+            row["hf_prompts"] = len(hf_prompts)
         for mode in hf_modes:
-            row.update(_hf_row(mode, hf_model, prompts, b, params, pad_id, eos_ids, max_model_len, ours_tok_s,
+            row.update(_hf_row(mode, hf_model, hf_prompts, b, params, pad_id, eos_ids, max_model_len, ours_tok_s,
                                progress, eager_error if mode == "eager" else None))
         results[str(b)] = row
     progress.done()

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.graph_capture import GraphCaptures
 from rhymerl.bench.progress import Progress
 from rhymerl.bench.spec_figures import figures, identity, reward_aware_figures, speedup
 from rhymerl.bench.spec_inputs import history_of_run, load_prompts
@@ -186,9 +187,8 @@ class _SpecBench:
                                  aware=aware)
 
     def measure(self) -> dict:
-        """Every timed engine shape's cost model, measured before any timed run (untimed), and the ceiling:
-        the speed-up of a perfect drafter by the measured forward costs (`CostModel.ceiling`), for the full
-        batch and for the tails. Where a target is above it, no drafter can reach it here."""
+        """Untimed, before any timed run: every engine shape's cost model and graphs. Returns the ceiling, a perfect
+        drafter's speed-up by those costs (`CostModel.ceiling`: no drafter beats it), full batch and tails."""
         timed = {"full": (self.model, self.cfg.slots), "tail": (self.model, TAIL)}  # by name
         if self.fp32 is not None and self.fp32 is not self.model:
             timed["tail_fp32"] = (self.fp32, TAIL)
@@ -199,6 +199,7 @@ class _SpecBench:
             self.progress.stage(f"measuring the cost model ({n_slots} slots, {length} tokens, "
                                 f"{'fp32' if m is self.fp32 else self.dtype})")
             self.make(m, "histospec", n_slots=n_slots, length=length)
+        self.captures = GraphCaptures([r.backend for r in self.engines.runners.values()], max(map(len, self.prompts)))
         ceiling = {}
         for name, (m, n_slots) in timed.items():
             cost = self.engines.costs[(id(m), n_slots, self.max_len)]
@@ -315,7 +316,7 @@ def run(cfg: SpecBenchConfig) -> dict:
             "slots": cfg.slots, "num_prompts": len(bench.prompts), "num_generations": cfg.num_generations,
             "max_tokens": cfg.max_tokens, "draft_rule": cfg.draft_rule, "max_draft_tokens": bench.max_draft_tokens,
             "reward_aware_drafting": cfg.reward_aware, "repeats": cfg.repeats,
-            "epoch_seeds": cfg.epoch_seeds, "ceiling": ceiling,
+            "epoch_seeds": cfg.epoch_seeds, "ceiling": ceiling, **bench.captures.fields(),
             "data": f"history-from:{cfg.history_from}" if cfg.history_from else (
                 f"builtin:{data or 'arithmetic'}" if data is None or data in BUILTIN_TASKS else data),
             "temperatures": results}

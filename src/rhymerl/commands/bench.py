@@ -36,7 +36,7 @@ def cmd_bench_engine(args) -> int:
     setup(args)
     return _report(engine_bench, engine_bench.run(args.model, args.dtype, batches, args.num_prompts, args.max_tokens,
                                                   args.temperature, args.top_p, args.seed, args.skip_hf, args.device,
-                                                  args.hf_modes))
+                                                  args.hf_modes, args.hf_batches))
 
 
 def cmd_bench_spec(args) -> int:
@@ -136,6 +136,9 @@ def add_parser(sub) -> None:
     be.add_argument("--hf-modes", default="eager",
                     help="comma-separated transformers generate modes: eager, static (static KV cache), compiled "
                          "(static cache + torch.compile); each warmed up untimed")
+    be.add_argument("--hf-batches", type=positive_int, default=engine_bench.HF_BATCHES,
+                    help="transformers runs at most this many batches of each batch size (a rate is a rate: its "
+                         "eager mode is the slow side)")
     be.add_argument("--skip-hf", action="store_true", help="only our engine (no --hf-modes)")
     be.add_argument("--device", default=None, help=DEVICE_HELP)
     be.set_defaults(func=cmd_bench_engine)

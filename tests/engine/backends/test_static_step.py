@@ -95,6 +95,30 @@ def test_shapes_send_prefill_and_copied_prefixes_to_the_eager_path():
     assert shapes.of([SlotInput(1, 8, [1], prefix_from=0)]) is None  # copies slot 0's prefix
 
 
+def test_every_bucket_runs_on_padding_alone_and_changes_no_cache_entry():
+    """What a bench does before its timed runs (`capture_every_shape`: on a GPU, a capture per bucket): every
+    shape `of` can give is in `every`, and running each bucket on padding alone leaves the cache bit for bit."""
+    model, eager, static = runners("qwen2", slots=2, max_len=40, scratch=8)
+    shapes = static.backend.shapes
+    every = shapes.every()
+    assert len(every) == len(set(every)) == 2 * 5 + 2 * 3  # rows 1, 2 x tokens 1-9 | chains 16, 32, 48; keys 48
+    samples = [[SlotInput(1, 30, [1])], [SlotInput(0, 39, [1] * 9), SlotInput(1, 3, [1])],
+               [SlotInput(1, 0, [1] * 10, logits_from=9)], [SlotInput(s, 0, [1] * 20, logits_from=19) for s in (0, 1)],
+               [SlotInput(1, 0, [1] * 40, logits_from=39)]]
+    for inputs in samples:
+        assert shapes.of(inputs) in every
+    kv = static.cache.kv
+    kv.copy_(torch.randn_like(kv))
+    before = kv.clone()
+    done, seconds = static.backend.capture_every_shape()
+    assert done == len(every) and seconds > 0 and torch.equal(kv, before)
+    assert static.backend.capture_every_shape()[0] == 0  # nothing new to capture
+    # and the backend still computes the eager backend's logits
+    prompts = random_prompts(2, lo=5, hi=12, seed=5)
+    eager.cache.kv.copy_(kv)
+    both(eager, static, [SlotInput(s, 0, p, logits_from=len(p) - 1) for s, p in zip((0, 1), prompts)])
+
+
 def test_a_mixed_step_runs_in_parts_and_keeps_the_step_order():
     """Prefill chains, decode rows and prefix copiers in one step (an admission step of a GRPO rollout): the
     eager backend's logits, in the step's order, and its cache."""

@@ -8,9 +8,9 @@ copy is made. Each part's shape (`static_step.StaticShapes`) gets its graph the 
 captured over that shape's persistent buffers (`static_step.StaticStep`); a later part of the same shape fills
 the buffers and replays. What fits no bucket runs eagerly (`EagerBackend`, SDPA over the cache).
 
-Modes: "graphs" (`RHYMERL_CUDA_GRAPHS=1`, opt-in until it has run on a GPU); "static", the same parts and
-buffers run eagerly, no capture (how the tests run this class on a CPU); "eager", every step through
-`EagerBackend` (the default for now, and the baseline).
+Modes: "graphs" (the default on a GPU); "static", the same parts and buffers run eagerly, no capture (how the
+tests run this class on a CPU); "eager", every step through `EagerBackend` (`RHYMERL_CUDA_GRAPHS=0`: the
+baseline).
 
 A forward returns as soon as its work is queued: the engine's draws wait for it, once a step
 (`engine.device_verification`), and the host builds the draws' inputs in the meantime. Whoever times a forward
@@ -19,6 +19,7 @@ synchronises (`ModelRunner.synchronize`).
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import replace
 
@@ -84,6 +85,30 @@ class CudaBackend(EagerBackend):
             index = np.concatenate([at[i] + np.arange(counts[i]) for i in range(len(step.inputs))])
             logits = torch.cat(pieces).index_select(0, torch.from_numpy(index).to(self.device))
         return logits
+
+    def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
+        """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
+        tokens) now, on a step of padding alone (which writes back every key and value it reads), so that no
+        later step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
+        once instead (what the CPU can check). Returns (buckets newly captured or run, seconds)."""
+        if self.mode == "eager":
+            return 0, 0.0
+        t0, done = time.perf_counter(), 0
+        for shape in self.shapes.every(longest_chain):
+            bucket = self.buckets.get(shape)
+            if bucket is None:
+                bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape))
+            elif bucket.graph is not None or bucket.failed or self.mode == "static":
+                continue
+            bucket.step.load([], [])
+            if self.mode == "static":
+                bucket.step.run()
+            else:
+                self._replay(bucket)  # captures it
+            done += 1
+        if self.mode == "graphs":
+            torch.cuda.synchronize(self.device)
+        return done, time.perf_counter() - t0
 
     def _part(self, step: Step, part: list[int]) -> torch.Tensor:
         """Logits of the inputs `part` (indices into the step's; their prefixes, if copied, in place by now)."""

@@ -62,6 +62,16 @@ class StaticShapes:
         self.chains = buckets(cache.capacity, min(MIN_CHAIN, cache.capacity))
         self.keys = buckets(cache.capacity, min(MIN_KEYS, cache.capacity))
 
+    def every(self, longest_chain: int | None = None) -> list[tuple[bool, int, int, int]]:
+        """Every (gathered, B, T, L) that `of` can return: trees of every row and token bucket, chains longer
+        than a tree (the smallest chain bucket above it, and up; with `longest_chain`, only up to that chain's
+        bucket: a bench knows its longest prompt), each with every key bucket that holds its T."""
+        top = bucket_of(longest_chain, self.chains) or self.capacity if longest_chain else self.capacity
+        trees = [(False, b, t, l) for b in self.rows for t in self.tokens for l in self.keys if l >= t]
+        chains = [(True, b, t, l) for b in self.rows for t in self.chains if self.tree < t <= top
+                  for l in self.keys if l >= t]
+        return trees + chains
+
     def of(self, inputs: list) -> tuple[bool, int, int, int] | None:
         """(gathered, B, T, L) for these inputs (the engine's SlotInputs), or None: run them eagerly. Small
         trees go by slot; longer chains gathered, when each wants its last token's logits only (a prefill
@@ -109,7 +119,9 @@ class StaticStep:
 
     def load(self, inputs: list, trees: list) -> np.ndarray:
         """Fill the buffers from a step's inputs (SlotInputs) and their trees (`Step.trees`); returns the
-        index of each of their logit rows (tokens[logits_from:] of each input, in order) in `run()`'s output."""
+        index of each of their logit rows (tokens[logits_from:] of each input, in order) in `run()`'s output.
+        No inputs: a step of padding alone, which writes back every key and value it reads (`cuda.py`
+        captures every bucket on one before a timed run)."""
         b, t, n = self.b, self.t, self.b * self.t
         ints, bools = self._host_ints, self._host_bools
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
@@ -119,6 +131,13 @@ class StaticStep:
         bools[:] = False
         if anc is not None:
             anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
+        if not inputs:
+            slots[:] = np.arange(b)
+            write_pos[:] = positions[:] = np.arange(t)
+            token_slots[:] = slots[:, None]
+            self.ints.copy_(torch.from_numpy(ints))
+            self.bools.copy_(torch.from_numpy(bools))
+            return np.zeros(0, dtype=np.int64)
         if self.gathered:  # row r: input r; padding rows on slots no input uses (no (slot, position) twice)
             used = {x.slot for x in inputs}
             slots[:] = [x.slot for x in inputs] + [s for s in range(self.cache.kv.shape[1]) if s not in used][
