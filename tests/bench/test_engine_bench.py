@@ -20,6 +20,9 @@ from rhymerl.errors import UserError
 
 from tiny_models import byte_model_dir, tiny_decoder
 
+# a Llama layer's computing ops in the static step: 2 RMSNorms (2 each), 4 matmuls, rope (3), the K/V write
+# (gather, where, index_put), attention, SiLU x up (2), 2 residual adds
+LAUNCHES_PER_LLAMA_LAYER = 19
 OURS = ("prompts", "ours_tokens", "ours_s", "ours_tok_s", "ours_forwards", "ours_forward_ms", "bound_tok_s",
         "ours_of_bound")
 
@@ -156,6 +159,16 @@ def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(monkeypa
     assert engine.stats.generated_tokens == tok and capture[1] > 0
     assert len(built[0].buckets) == len(built[0].shapes.every(4))  # every bucket, chains up to the longest prompt
     fields = engine_bench.step_fields(engine, capture)
-    assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] > 0
+    assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] >= fields["ours_host_ms"] > 0
     assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured_timed"] == 0
     assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step
+
+
+def test_kernels_per_step_counts_the_static_steps_computing_ops():
+    """One launch per computing op, whatever the rows; each layer adds the same ops."""
+    model = tiny_decoder("llama")
+    engine = Engine(model, None, num_slots=8, max_model_len=32, eos_token_ids=[0])
+    two_layers = [engine_bench.kernels_per_step(engine, rows) for rows in (1, 8)]
+    model.layers = model.layers[:1]
+    one_layer = engine_bench.kernels_per_step(engine, 8)
+    assert two_layers[0] == two_layers[1] and two_layers[0] - one_layer == LAUNCHES_PER_LLAMA_LAYER

@@ -8,6 +8,9 @@ KV cache, static cache + torch.compile), on the first `--hf-batches` batches onl
 eager mode is slow). Our engine runs the prompts through `b` slots with continuous batching; on a GPU it
 captures a graph for every step shape first (`capture_s`, apart from the timed run).
 
+Beside the rates: where a step's time goes (`step_fields`), and `kernels_per_step`, what a plain decode step
+launches in the static step a CUDA graph replays, counted from its op trace (`op_trace`) on any device.
+
 The bound: a decoding forward reads every weight once, so it cannot take less than weight bytes / memory
 bandwidth (the bandwidth measured here, by a large copy on the device). At batch b that caps throughput at
 b tokens per such forward; KV-cache reads and idle slots only lower the real figure.
@@ -26,6 +29,8 @@ from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.hf_generate import error_text, hf_generate, mode_keys, parse_hf_modes, warm_up
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.backends import CudaBackend
+from rhymerl.engine.backends.op_trace import OpTrace
+from rhymerl.engine.backends.static_step import StaticShapes, StaticStep, bucket_of
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
@@ -101,16 +106,30 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, capture
 
 
+def kernels_per_step(engine: Engine, rows: int) -> int:
+    """Kernels a plain decode step of `rows` slots launches in the static step a CUDA graph replays: the
+    computing aten ops of its op trace (`op_trace`), countable on any device. Run on a step of padding alone,
+    which leaves the cache as it was."""
+    shapes = StaticShapes(engine.cache)
+    step = StaticStep(engine.runner.model, engine.cache, False, bucket_of(rows, shapes.rows), 1, shapes.keys[0])
+    step.load([], [])
+    with torch.inference_mode(), OpTrace() as trace:
+        step.run()
+    return trace.launches
+
+
 def step_fields(engine: Engine, capture: tuple[int, float] = (0, 0.0)) -> dict:
     """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
-    GPU, where the forward only queues its work, the wait for the device's results and the host's share of
-    the step (the rest); and
+    GPU, where the forward only queues its work, the wait for the device's results, and the host's time
+    outside the forward (`ours_host_ms`: outside the forward, less that wait; on a CPU the two are one); and
     what the CUDA backend did (`capture`: graphs captured before the timed run and their seconds; then the
     graphs captured during it, which should be none, replays, parts run eagerly)."""
     stats, backend = engine.stats, engine.runner.backend
     steps = max(stats.forward_passes, 1)
+    outside = stats.busy_s - stats.forward_s
     out = {"ours_step_ms": round(1e3 * stats.busy_s / steps, 3),
-           "ours_outside_forward_ms": round(1e3 * (stats.busy_s - stats.forward_s) / steps, 3)}
+           "ours_outside_forward_ms": round(1e3 * outside / steps, 3),
+           "ours_host_ms": round(1e3 * (outside - stats.device_wait_s) / steps, 3)}
     if stats.device_wait_s:  # a GPU: the forward only queues work, the draws wait for it; the rest is the host's
         out.update(ours_device_wait_ms=round(1e3 * stats.device_wait_s / steps, 3),
                    ours_host_share=round(1 - stats.device_wait_s / max(stats.busy_s, 1e-9), 3))
@@ -186,7 +205,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
                "ours_forwards": engine.stats.forward_passes,
                "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
                "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3),
-               **step_fields(engine, capture)}
+               **step_fields(engine, capture), "kernels_per_step": kernels_per_step(engine, b)}
         hf_prompts = prompts[: hf_batches * b]
         if hf_modes:
             row["hf_prompts"] = len(hf_prompts)
@@ -231,7 +250,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   f"(measured) = {summary['bound_forward_ms']} ms per forward")
     t = Table(title=title)
     modes = summary.get("hf_modes", ["eager"])
-    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd"]
+    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "kernels/step"]
     for mode in modes:
         cols += [f"hf {mode} tok/s", f"vs {mode}"]
     for col in cols + ["bound tok/s", "% of bound"]:
@@ -239,7 +258,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     errors = []
     for b, r in summary["batches"].items():
         cells = [b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_tok_s"]), str(r.get("ours_step_ms", "-")),
-                 str(r.get("ours_forward_ms", "-"))]
+                 str(r.get("ours_forward_ms", "-")), str(r.get("ours_host_ms", "-")), str(r.get("kernels_per_step", "-"))]
         for mode in modes:
             prefix, speedup_key = mode_keys(mode)
             if f"{prefix}_error" in r:

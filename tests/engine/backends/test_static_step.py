@@ -4,9 +4,9 @@ nothing, and engine outputs equal to the eager engine's with and without HistoSp
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rhymerl.engine.backends import CudaBackend, EagerBackend
+from rhymerl.engine.backends.op_trace import OpTrace
 from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
@@ -165,21 +165,6 @@ def test_engine_outputs_equal_the_eager_engine(temperature):
         assert e.runner.backend.replays > 0 and e.runner.backend.eager_parts == 0
 
 
-class _OpTrace(TorchDispatchMode):
-    """Every aten op a region runs, with its output shapes: what a CUDA graph records and replays."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
-                  if isinstance(t, torch.Tensor)]
-        self.ops.append((str(func), shapes))
-        return out
-
-
 # ops that read a device value on the host (a synchronisation, which a capture forbids) or whose output shape
 # depends on the data (a replay cannot change a shape); repeat_interleave does when its repeats are a tensor
 HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist", "repeat_interleave")
@@ -205,11 +190,11 @@ def test_a_static_step_runs_the_same_ops_on_the_same_shapes_whatever_it_holds(ga
         assert shape is not None and shape[0] == gathered
         step = StaticStep(model, static.cache, *shape)
         step.load(inputs, [_ancestors(x.parents, len(x.tokens)) for x in inputs])
-        with torch.inference_mode(), _OpTrace() as trace:
+        with torch.inference_mode(), OpTrace() as trace:
             step.run()
         traces.append(trace.ops)
     assert traces[0] == traces[1] and len(traces[0]) > 50
-    assert not [op for op, _ in traces[0] if any(name in op for name in HOST_READS)]
+    assert not [op for op, _, _ in traces[0] if any(name in op for name in HOST_READS)]
 
 
 def test_a_prompt_prefilled_in_gathered_chunks_sees_its_earlier_chunks():
