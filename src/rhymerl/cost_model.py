@@ -26,29 +26,57 @@ class CostModel:
     the grid is made non-decreasing first (measurement noise must not make a bigger step look cheaper).
     `measured`: timed on this machine (`measure`), so HistoSpec corrects it online against the steps it
     times; a grid written by hand (tests, a fixed model) is taken as is.
+
+    How a GPU runs a draft step (`step`), where the CPU's figures say nothing of it:
+    - `padded_rows`: every row of a step is padded to the tokens of its longest row, rounded up to the next
+      grid point (the CUDA backend's buckets, which `measure`'s grid matches: powers of two and 1 + the
+      draft room). One sequence drafting 8 tokens then costs the step as if every one did.
+    - `draft_step_s`, `draft_node_s`: what a step that verifies drafts adds outside the forward, once and
+      per draft node: the device's draws of every node and the acceptance walk, the host's trees. Zero
+      leaves the step at its forward.
     """
 
     def __init__(self, seqs_grid: list[int], per_seq_grid: list[int], times: list[list[float]],
-                 measured: bool = False):
+                 measured: bool = False, padded_rows: bool = False, draft_step_s: float = 0.0,
+                 draft_node_s: float = 0.0):
         self.seqs_grid, self.per_seq_grid = list(seqs_grid), list(per_seq_grid)
         self.measured = measured
+        self.padded_rows, self.draft_step_s, self.draft_node_s = padded_rows, draft_step_s, draft_node_s
         rows = [_cummax(r) for r in times]
         cols = [_cummax([rows[i][j] for i in range(len(rows))]) for j in range(len(per_seq_grid))]
         self.times = [[cols[j][i] for j in range(len(per_seq_grid))] for i in range(len(seqs_grid))]
 
     def __call__(self, tokens: int, seqs: int = 1) -> float:
-        per_seq = tokens / max(seqs, 1)
+        return self._forward(tokens / max(seqs, 1), seqs)
+
+    def step(self, base_tokens: int, seqs: int, draft_tokens: int = 0, longest_draft: int = 0) -> float:
+        """Predicted time of a step in which `seqs` sequences feed `base_tokens` tokens plus `draft_tokens`
+        draft nodes, the longest draft `longest_draft` nodes: the forward (padded, with `padded_rows`, to the
+        grid point holding the longest row, one token plus its draft) and, with any draft, the draft step's
+        own costs."""
+        if self.padded_rows and draft_tokens:
+            longest = max(base_tokens / max(seqs, 1), 1 + longest_draft)
+            per_seq = next((t for t in self.per_seq_grid if t >= longest), longest)
+            forward = self._forward(per_seq, seqs)
+        else:
+            forward = self(base_tokens + draft_tokens, seqs)
+        return forward + (self.draft_step_s + self.draft_node_s * draft_tokens if draft_tokens else 0.0)
+
+    def _forward(self, per_seq: float, seqs: int) -> float:
         at_seqs = [_interp(list(zip(self.per_seq_grid, row)), per_seq) for row in self.times]
         return _interp(list(zip(self.seqs_grid, at_seqs)), seqs)
 
     def as_dict(self) -> dict:
         return {"seqs": self.seqs_grid, "tokens_per_seq": self.per_seq_grid, "seconds": self.times,
-                "measured": self.measured}
+                "measured": self.measured, "padded_rows": self.padded_rows, "draft_step_s": self.draft_step_s,
+                "draft_node_s": self.draft_node_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """The inverse of `as_dict`."""
-        return cls(d["seqs"], d["tokens_per_seq"], d["seconds"], measured=d.get("measured", False))
+        """The inverse of `as_dict` (a model saved before the GPU terms had none: zero, unpadded)."""
+        return cls(d["seqs"], d["tokens_per_seq"], d["seconds"], measured=d.get("measured", False),
+                   padded_rows=d.get("padded_rows", False), draft_step_s=d.get("draft_step_s", 0.0),
+                   draft_node_s=d.get("draft_node_s", 0.0))
 
     def ceiling(self, seqs: int, max_tokens_per_seq: int) -> tuple[float, int]:
         """The most any drafter could gain over plain decoding with `seqs` sequences, by this grid: a perfect
@@ -61,9 +89,14 @@ class CostModel:
         return best * plain / self(seqs * best, seqs), best
 
 
-def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tokens: int) -> CostModel:
+def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tokens: int,
+            padded_rows: bool = False, time_draws: Callable[[int, int], float] | None = None) -> CostModel:
     """Measure the grid: `time_forward(n, t)` runs one verification forward of n sequences feeding t tokens
-    each (a chain) and returns its seconds. The engine supplies it (`Engine.measure_cost_model`)."""
+    each (a chain) and returns its seconds. The engine supplies it (`Engine.measure_cost_model`), says
+    whether its backend pads every row to the longest (`padded_rows`: the grid's tokens per sequence are
+    then the backend's buckets) and, where drafts are verified on the device, `time_draws(n, t)`: the
+    seconds of drawing and walking n chains of t nodes (t = 0: a plain step's draws), which give the draft
+    step's own costs (`draft_step_s`, `draft_node_s`)."""
     seqs_grid = sorted({n for n in SEQS_GRID if n < slots} | {slots})
     per_seq_grid = sorted({t for t in TOKENS_PER_SEQ_GRID if t <= max_draft_tokens} | {max_draft_tokens + 1})
     times = []
@@ -78,7 +111,13 @@ def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tok
             slope = (row[-1] - row[-2]) / (per_seq_grid[j - 1] - per_seq_grid[j - 2])
             row.append(row[-1] + slope * (per_seq_grid[j] - per_seq_grid[j - 1]))
         times.append(row)
-    return CostModel(seqs_grid, per_seq_grid, times, measured=True)
+    step_s = node_s = 0.0
+    if time_draws is not None:  # all slots: the step where drafting's own cost weighs most against plain
+        best = [min(time_draws(slots, t) for _ in range(REPEATS)) for t in (0, 1, max_draft_tokens)]
+        node_s = max(best[2] - best[1], 0.0) / max(slots * (max_draft_tokens - 1), 1)
+        step_s = max(best[1] - best[0] - slots * node_s, 0.0)
+    return CostModel(seqs_grid, per_seq_grid, times, measured=True, padded_rows=padded_rows,
+                     draft_step_s=step_s, draft_node_s=node_s)
 
 
 def _cummax(xs: list[float]) -> list[float]:

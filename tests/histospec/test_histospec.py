@@ -377,12 +377,12 @@ def test_budget_takes_the_steps_best_nodes_while_requests_wait_and_caps_every_dr
     and the other drafts nothing (throughput); in the drain every draft gets the same cap, so the
     sequence that will finish last is not starved."""
     ranked = [[0.9] * 10, [0.1] * 10]
-    cost = lambda extra: 1.0 + 0.1 * extra  # noqa: E731
+    cost = lambda extra, longest: 1.0 + 0.1 * extra  # noqa: E731
     keep, extra = top_nodes(ranked, cost, plain_rate=2.0)
     assert keep[1] == 0 and keep[0] >= 8 and extra == sum(keep)
     assert uniform_cap(ranked, cost, plain_rate=2.0) == ([10, 10], 20)
     # nothing pays when a draft token costs as much as a forward
-    steep = lambda extra: 1.0 + 1.0 * extra  # noqa: E731
+    steep = lambda extra, longest: 1.0 + 1.0 * extra  # noqa: E731
     assert top_nodes(ranked, steep, plain_rate=2.0) == ([0, 0], 0) == uniform_cap(ranked, steep, plain_rate=2.0)
 
 

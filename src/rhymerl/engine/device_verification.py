@@ -23,6 +23,18 @@ from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.verify import Verified
 
 
+def time_draws(vocab: int, device, seqs: int, nodes: int) -> float:
+    """Seconds `verify_on_device` takes for `seqs` sequences, each a chain of `nodes` draft nodes (0: a plain
+    step's one draw a sequence), over logits of `vocab` columns already on `device`: the draws of every row,
+    the walk and the wait for their result. What `cost_model.measure` prices a draft step's own work by."""
+    logits = torch.zeros(seqs * (1 + nodes), vocab, device=device)
+    drafts = [Draft(list(range(nodes)), list(range(-1, nodes - 1))) for _ in range(seqs)]
+    starts = [s * (1 + nodes) for s in range(seqs)]
+    t0 = time.perf_counter()
+    verify_on_device(drafts, logits, starts, list(range(seqs)), [0] * seqs, SamplingParams(temperature=1.0))
+    return time.perf_counter() - t0
+
+
 def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int], prefixes: list[int],
                      offsets: list[int], params: SamplingParams) -> tuple[list[Verified] | None, float]:
     """Every sequence's draft verified at once. `logits` [N, V]: sequence i's last committed token at row

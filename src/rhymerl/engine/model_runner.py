@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ import torch
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.backends import Step, select_backend
+from rhymerl.engine.device_verification import time_draws
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
 
@@ -130,4 +132,7 @@ class ModelRunner:
             self.synchronize()
             return time.perf_counter() - t0
 
-        return cost_model.measure(time_forward, slots, max_draft_tokens)
+        # On a GPU: rows padded to buckets (`Backend.pads_rows`), and the draws' and walk's own cost
+        draws = partial(time_draws, self.model.cfg.vocab_size, self.cache.kv.device) \
+            if self.backend.verifies_on_device else None
+        return cost_model.measure(time_forward, slots, max_draft_tokens, self.backend.pads_rows, draws)

@@ -82,8 +82,9 @@ def length_rule(name: str, max_draft_tokens: int):
 def uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> tuple[list[int], int]:
     """The cap c on every draft (each sequence's c most valuable nodes) that maximises committed tokens per
     second, against plain decoding's rate. ranked: per draft, its node values (expected accepted tokens)
-    in decreasing order; cost(n): the step's predicted time with n draft tokens. Returns (the nodes kept
-    per draft, the draft tokens the step was costed at)."""
+    in decreasing order; cost(n, longest): the step's predicted time with n draft tokens, the longest draft
+    `longest` of them (a GPU pads every row to the longest: `CostModel.step`). Returns (the nodes kept per
+    draft, the draft tokens the step was costed at)."""
     gains = [_prefix_sums(v) for v in ranked]
     n_dec = len(ranked)
     best_c, best_rate = 0, plain_rate
@@ -93,7 +94,7 @@ def uniform_cap(ranked: list[list[float]], cost, plain_rate: float) -> tuple[lis
             break
         # costed as if every draft had c nodes: pessimistic for short drafts, which keeps marginal
         # drafting (a high temperature, where drafts barely pay) from slowing the drain down
-        rate = (n_dec + sum(g[min(c, len(g) - 1)] for g in gains)) / cost(n_dec * c)
+        rate = (n_dec + sum(g[min(c, len(g) - 1)] for g in gains)) / cost(n_dec * c, c)
         if rate > best_rate:
             best_c, best_rate = c, rate
     return [min(best_c, len(v)) for v in ranked], n_dec * best_c
@@ -105,11 +106,15 @@ def top_nodes(ranked: list[list[float]], cost, plain_rate: float) -> tuple[list[
     subtree. Same arguments and result as `uniform_cap`."""
     flat = sorted(((x, i) for i, v in enumerate(ranked) for x in v), key=lambda t: -t[0])
     gain = _prefix_sums([x for x, _ in flat])
+    longest, counts = [0], [0] * len(ranked)  # longest[k]: the longest draft among the first k nodes
+    for _, i in flat:
+        counts[i] += 1
+        longest.append(max(longest[-1], counts[i]))
     best_k, best_rate = 0, plain_rate
     for k in sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, len(flat)}):
         if k > len(flat):
             break
-        rate = (len(ranked) + gain[k]) / cost(k)
+        rate = (len(ranked) + gain[k]) / cost(k, longest[k])
         if rate > best_rate:
             best_k, best_rate = k, rate
     keep = [0] * len(ranked)

@@ -245,18 +245,18 @@ class Speculator:
         # measured/predicted time of drafting steps relative to plain ones (observe_step)
         scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
 
-        def step_cost(n: int) -> float:  # predicted time of this step with n draft tokens
-            return self.cost(base_tokens + n, seqs) * scale
+        def step_cost(n: int, longest: int = 0) -> float:  # this step with n draft tokens, the longest draft `longest`
+            return self.cost.step(base_tokens, seqs, n, longest) * scale
 
         choose = budget.uniform_cap if draining else budget.top_nodes
         keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
-        pays = self._pays(ranked, keep, plain_cost, step_cost(extra), t0)
+        pays = self._pays(ranked, keep, plain_cost, step_cost(extra, max(keep, default=0)), t0)
         if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
             limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
             extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
                                                       for j in range(1, PROBE_NODES + 1)))
         self._count_rounds(specs, keep, skipped)
-        self._pending = (bucket, any(keep), self.cost(base_tokens + extra, seqs))
+        self._pending = (bucket, any(keep), self.cost.step(base_tokens, seqs, extra, max(keep, default=0)))
         self._idle[bucket] = 0 if pays else idle + 1
         out = [budget.prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
         self._count_draft_time(time.perf_counter() - t0, specs, skipped)

@@ -26,10 +26,13 @@ class Backend(Protocol):
     """Runs the decoder over the KV cache. `ops`: the fused CPU kernels' namespace where this backend uses
     them (the sampler's plain case runs in C++ too), else None. `verifies_on_device`: the engine draws every
     draft node and walks the drafts on the device (`engine.device_verification`: a GPU), in one call per step,
-    rather than level by level on the host."""
+    rather than level by level on the host. `pads_rows`: every row of a step runs padded to the tokens of
+    its longest row, rounded up to a bucket (CUDA graphs), so the cost model prices a draft step that way
+    (`CostModel.padded_rows`)."""
 
     ops: object | None
     verifies_on_device: bool
+    pads_rows: bool
 
     def forward(self, step: Step) -> torch.Tensor:
         """Logits [R, vocab] in the model's dtype, once the step's keys/values are in the cache."""

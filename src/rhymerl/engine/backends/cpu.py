@@ -62,6 +62,7 @@ class CpuBackend:
     """`forward_fused` over `FusedAttention`. `ops`: the built kernels (`native.ops()`); the cache's dtype
     must be fp32 or bf16 (the kernels' dtypes)."""
 
+    pads_rows = False  # each row computes its own tokens only
     verifies_on_device = False  # each sampled row costs a pass over the vocabulary: sample the rows walks reach
 
     def __init__(self, model: Decoder, cache: KVCache, ops):

@@ -86,6 +86,11 @@ class CudaBackend(EagerBackend):
             logits = torch.cat(pieces).index_select(0, torch.from_numpy(index).to(self.device))
         return logits
 
+    @property
+    def pads_rows(self) -> bool:
+        """Fixed shapes pad every row to the step's longest (`static_step`); the eager mode does not."""
+        return self.mode != "eager"
+
     def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
         tokens) now, on a step of padding alone (which writes back every key and value it reads), so that no

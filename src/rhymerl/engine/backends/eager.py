@@ -181,6 +181,7 @@ class EagerBackend:
     weights where it has them (fp32, and bf16 on CPUs with bf16 instructions)."""
 
     ops = None  # no fused kernels: the sampler runs in torch too
+    pads_rows = False  # each row computes its own tokens only
     verifies_on_device = False  # on a CPU each sampled row costs a pass over the vocabulary
 
     def __init__(self, model: Decoder, cache: KVCache):
