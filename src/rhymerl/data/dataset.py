@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Iterator
 
 from rhymerl.errors import UserError
-from rhymerl.tasks import arithmetic, countdown
+from rhymerl.tasks import arithmetic, countdown, repeat
 
-BUILTIN_TASKS = ("arithmetic", "countdown")
+BUILTIN_TASKS = ("arithmetic", "countdown", "repeat")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
 
@@ -43,8 +43,8 @@ class Example:
     """
 
     prompt: str | tuple[tuple[str, str], ...]
-    ground_truth: str  # a number as text, or countdown's JSON {"numbers": [...], "target": N}
-    data_source: str  # "arithmetic" | "countdown" | "gsm8k" | "math" | verl's data_source value
+    ground_truth: str  # a number as text, countdown's JSON {"numbers": [...], "target": N}, or repeat's text
+    data_source: str  # "arithmetic" | "countdown" | "repeat" | "gsm8k" | "math" | verl's data_source value
     source: str  # where it came from, for messages: "path/to/file.jsonl:12" or "arithmetic#3"
 
     def __post_init__(self):
@@ -69,13 +69,17 @@ class DatasetFile:
 
 
 def builtin_examples(task: str, n: int, seed: int) -> list[Example]:
-    """n examples of a built-in task ("arithmetic" or "countdown"), fixed by seed; source is "task#index"."""
+    """n examples of a built-in task ("arithmetic", "countdown" or "repeat"), fixed by seed; source is
+    "task#index"."""
     if task == "arithmetic":
         return [Example(arithmetic.prompt_text(p), str(p.answer), "arithmetic", f"arithmetic#{i}")
                 for i, p in enumerate(arithmetic.make_problems(n, seed))]
     if task == "countdown":
         return [Example(countdown.prompt_text(p), countdown.ground_truth(p), "countdown", f"countdown#{i}")
                 for i, p in enumerate(countdown.make_puzzles(n, seed))]
+    if task == "repeat":
+        return [Example(repeat.prompt_text(t), t, "repeat", f"repeat#{i}")
+                for i, t in enumerate(repeat.make_texts(n, seed))]
     raise ValueError(f"unknown built-in task {task!r}; choose one of {', '.join(BUILTIN_TASKS)}")
 
 

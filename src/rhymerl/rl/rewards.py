@@ -4,7 +4,8 @@ The reward of a completion is its correctness plus format_weight times its forma
 penalty when it is on. Correctness comes from the user's functions when given (TRL's reward_funcs with
 reward_weights: their weighted sum; see `rhymerl.rl.reward_functions`), else from `default_score`, which
 dispatches on the example's data_source as verl's default_compute_score does: countdown equations are checked
-exactly, everything else is compared as a math answer with math_verify.
+exactly, repeat's copies graded by word similarity, everything else is compared as a math answer with
+math_verify.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rhymerl.data.dataset import Example
 from rhymerl.rl.reward_functions import (RewardCallError, RewardFunction, RewardFunctionError, RewardTimeoutError,
                                          RewardWorker, load_reward_function, load_reward_functions,
                                          named_functions)
-from rhymerl.tasks import countdown
+from rhymerl.tasks import countdown, repeat
 
 __all__ = [  # load_reward_function and the errors live in rl.reward_functions; importable from here as before
     "RewardBatch", "RewardFunction", "RewardFunctionError", "RewardScorer", "RewardTimeoutError", "default_score",
@@ -108,11 +109,14 @@ def format_reward(completion: str) -> float:
 
 def default_score(data_source: str, completion: str, ground_truth: str) -> float:
     """Correctness by data_source, like verl's default_compute_score: "countdown" checks the equation against
-    the JSON ground truth {"numbers": [...], "target": N}; every other source is a math answer (math_reward).
+    the JSON ground truth {"numbers": [...], "target": N}; "repeat" grades a copy of the ground-truth text
+    (`repeat.score_copy`, 1.0 iff word for word); every other source is a math answer (math_reward).
     Raises ValueError for a countdown ground truth that is not that JSON."""
     if data_source == "countdown":
         puzzle_numbers, target = countdown.read_ground_truth(ground_truth)
         return countdown.score_equation(completion, puzzle_numbers, target)
+    if data_source == "repeat":
+        return repeat.score_copy(completion, ground_truth)
     return math_reward(completion, ground_truth)
 
 
