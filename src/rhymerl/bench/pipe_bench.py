@@ -8,7 +8,8 @@ and the JSON's "sim" layout.
 
 (b) Real runs (`rhymerl.bench.pipe_real`): one worker, FIFO vs longest-first admission (`run_real`), and
 `ray_workers` Ray workers under every schedule, histopipe with migration too (`run_ray`), on the real model
-and the built-in arithmetic prompts; the tokens are checked identical across all of them. `run` runs both
+and a built-in task's prompts (`real_workload`: the recorded `repeat` task under `--trace rhyming`, else
+arithmetic, or `--real-data`); the tokens are checked identical across all of them. `run` runs both
 parts; `print_table` prints their tables.
 """
 
@@ -25,7 +26,7 @@ from rich.table import Table
 from rhymerl.bench.console import table_console
 # parts (a) and (b), importable from here as before the splits
 from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figures, log,  # noqa: F401
-                                     print_real_tables, rounded, run_ray, run_real)
+                                     print_real_tables, real_workload, rounded, run_ray, run_real)
 from rhymerl.bench.pipe_sim import (DEFAULT_WORKERS, GANTT_MAX_WORKERS, draw_step, draw_steps,  # noqa: F401
                                     read_checked_trace, simulate_modes, simulate_trace, trace_draws, write_gantt)
 from rhymerl.bench.pipe_context import measure_per_key
@@ -108,16 +109,17 @@ def default_out_dir() -> Path:
 
 def run(trace: str | Path | None = None, cost_from: str = "measure", model: str = "smollm2-135m",
         dtype: str = "auto", device: str | None = None, workers: Sequence[int] = DEFAULT_WORKERS, slots: int = 32,
-        real: bool = True, repeats: int = 3, real_prompts: int = 16, num_generations: int = 4,
-        real_slots: int = 16, max_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
-        ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
+        real: bool = True, repeats: int = 3, real_prompts: int | None = None, num_generations: int | None = None,
+        real_slots: int | None = None, max_tokens: int | None = None, temperature: float | None = None,
+        seed: int = 0, ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
         out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
-        tier2: bool = True) -> dict:
+        tier2: bool = True, real_data: str | None = None) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
-    "one_worker", one worker's FIFO vs longest-first (`run_real`). The Gantt charts go to `out`
-    (`default_out_dir()` when None), named in the summary's "out". `trace == "rhyming"` (or `rhyming` given):
-    the calibrated workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`."""
+    "one_worker", one worker's FIFO vs longest-first (`run_real`), both on `real_workload(trace, real_data,
+    ...)` (the real_* arguments None: the workload's own). The Gantt charts go to `out` (`default_out_dir()`
+    when None), named in the summary's "out". `trace == "rhyming"` (or `rhyming` given): the calibrated
+    workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`."""
     if str(trace) == RHYMING or rhyming is not None:
         trace, rhyming = RHYMING, rhyming or Rhyming()
     else:
@@ -125,6 +127,8 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         if not trace.exists():
             raise FileNotFoundError(f"--trace {trace}: no such file or run directory (or the built-in {RHYMING})")
         read_checked_trace(trace)  # a bad trace fails before the cost model is measured (simulated: read again)
+    workload = real_workload(trace, real_data, ray_workers, prompts=real_prompts, num_generations=num_generations,
+                             slots=real_slots, max_tokens=max_tokens, temperature=temperature)
     progress = Progress("pipe", (cost_from == "measure") + 2 + real * (1 + (ray_workers > 0)))
     if cost_from == "measure":
         progress.stage(f"measuring the cost model on {model} ({slots} slots)")
@@ -151,17 +155,19 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
                "context_cost": context_info,
                "out": str(out)}
     if real:
+        w = workload
+        sizes = dict(num_prompts=w.prompts, num_generations=w.num_generations, slots=w.slots,
+                     max_tokens=w.max_tokens, temperature=w.temperature, task=w.task)
+        log(f"real runs: {w.task}, {w.prompts} prompts x {w.num_generations} on {w.slots} slots per worker "
+            f"({w.waves(1):g} waves on one worker, {w.waves(ray_workers):g} on each of {ray_workers} Ray workers)")
         progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
-        one = run_real(model, num_prompts=real_prompts, num_generations=num_generations, slots=real_slots,
-                       max_tokens=max_tokens, temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
-                       device=device)
+        one = run_real(model, **sizes, repeats=repeats, seed=seed, dtype=dtype, device=device)
         summary["real"] = {"one_worker": one}
         if ray_workers > 0:
             progress.stage(f"{ray_workers} Ray workers: epoch 1, then every schedule x {repeats}")
-            summary["real"] |= run_ray(model, num_workers=ray_workers, num_prompts=real_prompts,
-                                       num_generations=num_generations, slots=real_slots, max_tokens=max_tokens,
-                                       temperature=temperature, repeats=repeats, seed=seed, dtype=dtype,
-                                       device=device)
+            summary["real"] |= run_ray(model, num_workers=ray_workers, **sizes, repeats=repeats, seed=seed,
+                                       dtype=dtype, device=device)
+            summary["real"]["waves"] = w.waves(ray_workers)
     progress.done()
     if any(int(w) <= GANTT_MAX_WORKERS for w in summary["sim"]) and run_steps > 0:
         log(f"Gantt charts (worker counts up to {GANTT_MAX_WORKERS}) in {out}")

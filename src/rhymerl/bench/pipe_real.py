@@ -1,7 +1,14 @@
 """`rhymerl bench pipe`, part (b): HistoPipe's schedules timed on real workers (`rhymerl.bench.pipe_bench`
 runs them after its simulation, part (a)).
 
-`run_real`: one `RolloutWorker` behind a `LocalPool` on the real model and the built-in arithmetic prompts.
+What they roll out is a `RealWorkload`: a built-in task's first prompts, with its generations, slots, token
+limit and temperature. `real_workload` picks it: `--trace rhyming` (or `--real-data repeat`) takes the
+`repeat` task as `rhymerl train` recorded it into `histopipe/traces/repeat.jsonl` (answers from a few tokens
+to over a hundred, the prompt says how long; 8 generations, 256 tokens, T=0.7), with slots for at least
+`MIN_WAVES` waves per worker, so that admission order and schedule can matter; otherwise the arithmetic task
+as before (16 prompts x 4 on 16 slots: one wave per Ray worker). Options given override either.
+
+`run_real`: one `RolloutWorker` behind a `LocalPool` on the real model and the workload's prompts.
 A first epoch (FIFO, its own seed) is recorded into the history so that predictions exist; then the second
 epoch's groups run with `admission="fifo"` and `"longest_first"`, alternating `repeats` times with the same
 request ids and seed, the median rollout seconds of each reported, and the tokens checked identical (keyed
@@ -21,6 +28,8 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -43,18 +52,71 @@ def rounded(x):
     return x
 
 
+RHYMING = "rhyming"  # `--trace rhyming`: the calibrated workload (simulated) and the recorded task (real)
+RECORDED_TRACE = Path(__file__).resolve().parent.parent / "histopipe" / "traces" / "repeat.jsonl"
+MIN_WAVES = 4  # the rhyming real runs: requests per worker >= MIN_WAVES x slots
+
+
+@dataclass(frozen=True)
+class RealWorkload:
+    """What the real runs roll out: the first `prompts` prompts of built-in `task` x `num_generations`, on
+    `slots` slots per worker, at most `max_tokens` tokens each, sampled at `temperature`."""
+
+    task: str = "arithmetic"
+    prompts: int = 16
+    num_generations: int = 4
+    slots: int = 16
+    max_tokens: int = 128
+    temperature: float = 1.0
+
+    def waves(self, workers: int) -> float:
+        """Requests per worker over its slots: how many times its slots fill (at least 1)."""
+        return self.prompts * self.num_generations / (max(workers, 1) * self.slots)
+
+
+# The recorded run's settings (docs/notebook/2026-11-27.md, "the repeat task's trace"): its first 8 prompts
+# x 8 generations, 256 tokens, T=0.7; 8 slots: 4 waves on each of 2 Ray workers, 8 on one worker.
+RECORDED = RealWorkload("repeat", prompts=8, num_generations=8, slots=8, max_tokens=256, temperature=0.7)
+
+
+def real_workload(trace=None, real_data: str | None = None, ray_workers: int = 2, **given) -> RealWorkload:
+    """The real runs' workload: `real_data` (a built-in task) if given, else "repeat" under `--trace rhyming`,
+    else "arithmetic"; "repeat" with the recorded run's settings (`RECORDED`, its slots cut to keep
+    `MIN_WAVES` waves on `ray_workers` workers), any other task with `RealWorkload`'s defaults. `given`:
+    `RealWorkload` fields set by options (None: not given), which win over both."""
+    from rhymerl.data.dataset import BUILTIN_TASKS
+
+    task = real_data or ("repeat" if str(trace) == RHYMING else "arithmetic")
+    if task not in BUILTIN_TASKS:
+        raise UserError(f"--real-data {task}: not a built-in task; choose one of {', '.join(BUILTIN_TASKS)}")
+    unknown = set(given) - {f.name for f in fields(RealWorkload)}
+    if unknown:
+        raise TypeError(f"real_workload: unknown fields {sorted(unknown)}")
+    base = RECORDED if task == "repeat" else RealWorkload(task)
+    workload = replace(base, **{k: v for k, v in given.items() if v is not None})
+    if task == "repeat" and given.get("slots") is None:
+        requests = workload.prompts * workload.num_generations
+        workload = replace(workload, slots=max(1, min(workload.slots, requests // (MIN_WAVES * max(ray_workers, 1)))))
+    return workload
+
+
+def task_prompts(tokenizer, task: str, n: int, seed: int = 0) -> list[list[int]]:
+    """Built-in `task`'s first `n` prompts, chat-encoded (as `rhymerl train` encodes them, same seed)."""
+    from rhymerl.data.dataset import builtin_examples
+    from rhymerl.model.pretrained import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, e.prompt) for e in builtin_examples(task, n, seed)]
+
+
 def arithmetic_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     """The built-in arithmetic task's first `n` prompts, chat-encoded (as `rhymerl bench spec`)."""
-    from rhymerl.model.pretrained import chat_prompt_ids
-    from rhymerl.tasks.arithmetic import make_problems, prompt_text
-
-    return [chat_prompt_ids(tokenizer, prompt_text(p)) for p in make_problems(n, seed)]
+    return task_prompts(tokenizer, "arithmetic", n, seed)
 
 
 def policy_and_prompts(model: str, prompts: Sequence[Sequence[int]] | None, num_prompts: int, seed: int,
-                       device: str):
+                       device: str, task: str = "arithmetic"):
     """(fp32 policy, tokenizer, model directory, prompt ids) of the real runs: `prompts` given, no tokenizer
-    is loaded (a tokenizer-less test model); else the arithmetic task's first `num_prompts`. Torch is
+    is loaded (a tokenizer-less test model); else built-in `task`'s first `num_prompts`. Torch is
     imported here, not at the top: the simulation (part a) runs without it."""
     import torch
 
@@ -64,7 +126,7 @@ def policy_and_prompts(model: str, prompts: Sequence[Sequence[int]] | None, num_
 
     if prompts is None:
         policy, tokenizer, model_dir = load_pretrained(model, "fp32", device)
-        return policy, tokenizer, model_dir, arithmetic_prompts(tokenizer, num_prompts, seed)
+        return policy, tokenizer, model_dir, task_prompts(tokenizer, task, num_prompts, seed)
     model_dir = resolve_model_dir(model)
     return load_decoder(model_dir, torch.float32, device), None, model_dir, [list(p) for p in prompts]
 
@@ -72,11 +134,11 @@ def policy_and_prompts(model: str, prompts: Sequence[Sequence[int]] | None, num_
 def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_prompts: int = 16,
              num_generations: int = 4, slots: int = 16, max_tokens: int = 128, temperature: float = 1.0,
              repeats: int = 3, seed: int = 0, dtype: str = "auto", device: str | None = None,
-             speculative: str = "histospec", cost_model: CostModel | None = None) -> dict:
+             speculative: str = "histospec", cost_model: CostModel | None = None, task: str = "arithmetic") -> dict:
     """Part (b): one worker, FIFO vs longest-first admission on the same groups (see the module doc).
 
     `model`: a built-in name or a model directory. `prompts`: token ids (then no tokenizer is loaded: a
-    tokenizer-less test model); default the arithmetic task's first `num_prompts`. `cost_model`: HistoSpec's,
+    tokenizer-less test model); default built-in `task`'s first `num_prompts`. `cost_model`: HistoSpec's,
     measured by the first worker when None and reused by the second."""
     from rhymerl.engine.sampling_params import SamplingParams
     from rhymerl.history import HistoryStore
@@ -87,7 +149,7 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
-    policy, tokenizer, _, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device)
+    policy, tokenizer, _, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device, task)
     max_len = max(map(len, prompts)) + max_tokens + 1
     history = HistoryStore()
     pools = {}
@@ -130,7 +192,7 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
            for mode, s in seconds.items()}
     out["speedup"] = round(out["fifo"]["median_s"] / out["longest_first"]["median_s"], 3)
     out["identical"] = identical
-    out.update({"model": str(model), "dtype": dtype, "device": str(device), "prompts": len(prompts),
+    out.update({"model": str(model), "task": task, "dtype": dtype, "device": str(device), "prompts": len(prompts),
                 "num_generations": num_generations, "slots": slots, "max_tokens": max_tokens,
                 "temperature": temperature, "repeats": repeats, "speculative": speculative,
                 "tokens": sum(map(len, tokens["fifo"]))})
@@ -161,7 +223,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
             num_prompts: int = 16, num_generations: int = 4, slots: int = 16, max_tokens: int = 128,
             temperature: float = 1.0, repeats: int = 3, seed: int = 0, dtype: str = "auto",
             device: str | None = None, speculative: str = "histospec", cost_model: CostModel | None = None,
-            variants: Sequence[tuple[str, str, bool]] = RAY_VARIANTS) -> dict:
+            variants: Sequence[tuple[str, str, bool]] = RAY_VARIANTS, task: str = "arithmetic") -> dict:
     """Part (b), two Ray workers: every schedule (and histopipe with migration) on the same groups (see the
     module doc). Arguments as `run_real`'s; a Ray cluster is started for this process unless it is already
     connected to one."""
@@ -175,7 +237,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         raise UserError(f"--repeats must be at least 1, got {repeats}")
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
-    policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device)
+    policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device, task)
     config = WorkerConfig(num_slots=slots, max_model_len=max(map(len, prompts)) + max_tokens + 1, dtype=dtype,
                           speculative=speculative)
     pool = make_pool("ray", num_workers, "", policy, tokenizer, model_dir, config, HistoryStore(), seed=seed,
@@ -216,7 +278,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         out[name]["speedup_vs_static"] = out["static"]["makespan_s"] / out[name]["makespan_s"] \
             if "static" in out else None
     out = rounded(out)
-    out.update({"identical": identical, "workers": num_workers, "model": str(model), "dtype": dtype,
+    out.update({"identical": identical, "workers": num_workers, "model": str(model), "task": task, "dtype": dtype,
                 "device": str(device), "prompts": len(prompts), "num_generations": num_generations, "slots": slots,
                 "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats,
                 "speculative": speculative, "tokens": sum(map(len, reference))})

@@ -14,11 +14,9 @@ import time
 from dataclasses import fields
 from statistics import mean
 
-from rhymerl.bench.pipe_real import log
+from rhymerl.bench.pipe_real import RHYMING, log  # noqa: F401 (RHYMING: the reserved --trace name)
 from rhymerl.histopipe.predict import LengthPredictor, moved_far_share, quantile, rank_report
 from rhymerl.histopipe.workload import Rhyming
-
-RHYMING = "rhyming"  # the reserved --trace name
 
 HELP = {  # --rhyming-KEY: what it sets (the source of each default: docs/design.md, "Workload")
     "median": "median response length, tokens",

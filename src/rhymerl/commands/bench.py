@@ -16,7 +16,7 @@ from rhymerl.bench import (e2e_bench, engine_bench, history_bench, matmul_bench,
                            update_bench, workers_bench)
 from rhymerl.commands.options import (DEVICE_HELP, MODEL_HELP, DefaultsHelp, check_dtype, number_list, positive_int,
                                       setup)
-from rhymerl.config import DRAFT_RULES
+from rhymerl.config import BUILTIN_TASKS, DRAFT_RULES
 from rhymerl.errors import UserError
 from rhymerl.histopipe.simulate import MODES
 from rhymerl.histopipe.workload import Rhyming
@@ -76,7 +76,7 @@ def cmd_bench_pipe(args) -> int:
                              args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
                              args.max_tokens, args.temperature, args.seed, args.ray_workers, modes=modes,
                              run_steps=args.run_steps, train_s=args.train_s, out=args.out, rhyming=rhyming,
-                             context=args.context_cost, tier2=args.tier2)
+                             context=args.context_cost, tier2=args.tier2, real_data=args.real_data)
     return _report(pipe_bench, summary)
 
 
@@ -209,14 +209,20 @@ def add_parser(sub) -> None:
                     help="real runs of each admission order and schedule, in rotating order; the median counts")
     bp.add_argument("--ray-workers", type=int, default=2,
                     help="Ray workers of the real schedule runs (0: one worker's admission orders only)")
-    bp.add_argument("--real-prompts", type=positive_int, default=16,
-                    help="built-in arithmetic prompts of the real runs")
-    bp.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt in the real runs")
-    bp.add_argument("--real-slots", type=positive_int, default=16,
-                    help="the real worker's slots (fewer than its requests, "
-                                                               "so that admission order matters)")
-    bp.add_argument("--max-tokens", type=positive_int, default=128, help="max_completion_length of the real runs")
-    bp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the real runs")
+    bp.add_argument("--real-data", default=None, choices=BUILTIN_TASKS,
+                    help="the built-in task of the real runs (default: repeat under --trace rhyming, the task "
+                         "whose recorded trace is histopipe/traces/repeat.jsonl; else arithmetic)")
+    bp.add_argument("--real-prompts", type=positive_int, default=None,
+                    help="the task's first prompts in the real runs (default: repeat 8, others 16)")
+    bp.add_argument("--num-generations", type=positive_int, default=None,
+                    help="responses per prompt in the real runs (default: repeat 8, others 4)")
+    bp.add_argument("--real-slots", type=positive_int, default=None,
+                    help="each real worker's slots (default: repeat as many as keep 4 waves per Ray worker, "
+                         "at most 8; others 16)")
+    bp.add_argument("--max-tokens", type=positive_int, default=None,
+                    help="max_completion_length of the real runs (default: repeat 256, others 128)")
+    bp.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature of the real runs (default: repeat 0.7, others 1.0)")
     bp.add_argument("--seed", type=int, default=0,
                     help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
                          "seed + 1000, the timed epoch with seed + 2000)")
