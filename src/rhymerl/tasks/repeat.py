@@ -19,7 +19,7 @@ import random
 
 from rhymerl.tasks.countdown import strip_special_tokens
 
-MAX_SENTENCES = 12
+MAX_SENTENCES = 8
 INSTRUCTION = "Copy this text exactly:"
 
 NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena"]
