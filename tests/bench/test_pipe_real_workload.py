@@ -14,7 +14,7 @@ from tiny_models import byte_model_dir
 def test_rhyming_trace_takes_the_recorded_task_with_several_waves_per_worker():
     w = real_workload("rhyming", None, ray_workers=2)
     assert w == RECORDED and w.task == "repeat"
-    assert (w.num_generations, w.max_tokens, w.temperature) == (8, 256, 0.7)  # as the recorded training run
+    assert (w.prompts, w.max_tokens, w.temperature) == (12, 192, 0.6)  # as the recorded training run
     assert w.waves(2) >= MIN_WAVES and w.waves(1) >= 2 * MIN_WAVES
     # more workers: fewer slots each, so that every worker still fills its slots MIN_WAVES times
     assert real_workload("rhyming", None, ray_workers=4).waves(4) >= MIN_WAVES
@@ -26,7 +26,7 @@ def test_other_traces_keep_the_arithmetic_workload_and_options_win():
     assert real_workload("runs/x/lengths.jsonl", None).task == "arithmetic"
     assert real_workload("rhyming", "countdown").task == "countdown"  # --real-data wins over the trace
     given = real_workload("rhyming", None, prompts=4, slots=2, temperature=None)
-    assert (given.task, given.prompts, given.slots, given.temperature) == ("repeat", 4, 2, 0.7)
+    assert (given.task, given.prompts, given.slots, given.temperature) == ("repeat", 4, 2, 0.6)
     with pytest.raises(UserError, match="--real-data chess"):
         real_workload(None, "chess")
 

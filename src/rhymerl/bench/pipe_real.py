@@ -4,7 +4,7 @@ runs them after its simulation, part (a)).
 What they roll out is a `RealWorkload`: a built-in task's first prompts, with its generations, slots, token
 limit and temperature. `real_workload` picks it: `--trace rhyming` (or `--real-data repeat`) takes the
 `repeat` task as `rhymerl train` recorded it into `histopipe/traces/repeat.jsonl` (answers from a few tokens
-to over a hundred, the prompt says how long; 8 generations, 256 tokens, T=0.7), with slots for at least
+to about 80, the prompt says how long; 192 tokens, T=0.6; 8 generations), with slots for at least
 `MIN_WAVES` waves per worker, so that admission order and schedule can matter; otherwise the arithmetic task
 as before (16 prompts x 4 on 16 slots: one wave per Ray worker). Options given override either.
 
@@ -74,9 +74,10 @@ class RealWorkload:
         return self.prompts * self.num_generations / (max(workers, 1) * self.slots)
 
 
-# The recorded run's settings (docs/notebook/2026-11-27.md, "the repeat task's trace"): its first 8 prompts
-# x 8 generations, 256 tokens, T=0.7; 8 slots: 4 waves on each of 2 Ray workers, 8 on one worker.
-RECORDED = RealWorkload("repeat", prompts=8, num_generations=8, slots=8, max_tokens=256, temperature=0.7)
+# The recorded run's prompts, token limit and temperature (docs/notebook/2026-11-27.md, "the repeat task's
+# trace"), with 8 generations (the run had 4) for more requests per worker: 96 on 2 x 12 slots is 4 waves on
+# each Ray worker, 8 on one worker.
+RECORDED = RealWorkload("repeat", prompts=12, num_generations=8, slots=12, max_tokens=192, temperature=0.6)
 
 
 def real_workload(trace=None, real_data: str | None = None, ray_workers: int = 2, **given) -> RealWorkload:

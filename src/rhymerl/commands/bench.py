@@ -213,16 +213,16 @@ def add_parser(sub) -> None:
                     help="the built-in task of the real runs (default: repeat under --trace rhyming, the task "
                          "whose recorded trace is histopipe/traces/repeat.jsonl; else arithmetic)")
     bp.add_argument("--real-prompts", type=positive_int, default=None,
-                    help="the task's first prompts in the real runs (default: repeat 8, others 16)")
+                    help="the task's first prompts in the real runs (default: repeat 12, others 16)")
     bp.add_argument("--num-generations", type=positive_int, default=None,
                     help="responses per prompt in the real runs (default: repeat 8, others 4)")
     bp.add_argument("--real-slots", type=positive_int, default=None,
                     help="each real worker's slots (default: repeat as many as keep 4 waves per Ray worker, "
-                         "at most 8; others 16)")
+                         "at most 12; others 16)")
     bp.add_argument("--max-tokens", type=positive_int, default=None,
-                    help="max_completion_length of the real runs (default: repeat 256, others 128)")
+                    help="max_completion_length of the real runs (default: repeat 192, others 128)")
     bp.add_argument("--temperature", type=float, default=None,
-                    help="sampling temperature of the real runs (default: repeat 0.7, others 1.0)")
+                    help="sampling temperature of the real runs (default: repeat 0.6, others 1.0)")
     bp.add_argument("--seed", type=int, default=0,
                     help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
                          "seed + 1000, the timed epoch with seed + 2000)")
