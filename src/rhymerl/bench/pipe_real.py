@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.cost_model import CostModel
+from rhymerl.data.dataset import BUILTIN_TASKS, builtin_examples  # torch-free, like this module's top
 from rhymerl.errors import UserError
 
 
@@ -84,9 +85,8 @@ def real_workload(trace=None, real_data: str | None = None, ray_workers: int = 2
     """The real runs' workload: `real_data` (a built-in task) if given, else "repeat" under `--trace rhyming`,
     else "arithmetic"; "repeat" with the recorded run's settings (`RECORDED`, its slots cut to keep
     `MIN_WAVES` waves on `ray_workers` workers), any other task with `RealWorkload`'s defaults. `given`:
-    `RealWorkload` fields set by options (None: not given), which win over both."""
-    from rhymerl.data.dataset import BUILTIN_TASKS
-
+    `RealWorkload` fields set by options (None: not given), which win over both. The prompts are the task's
+    first ones for the bench's `--seed` (0, the default, gives the recorded run's, whose `run.seed` was 0)."""
     task = real_data or ("repeat" if str(trace) == RHYMING else "arithmetic")
     if task not in BUILTIN_TASKS:
         raise UserError(f"--real-data {task}: not a built-in task; choose one of {', '.join(BUILTIN_TASKS)}")
@@ -96,14 +96,13 @@ def real_workload(trace=None, real_data: str | None = None, ray_workers: int = 2
     base = RECORDED if task == "repeat" else RealWorkload(task)
     workload = replace(base, **{k: v for k, v in given.items() if v is not None})
     if task == "repeat" and given.get("slots") is None:
-        requests = workload.prompts * workload.num_generations
-        workload = replace(workload, slots=max(1, min(workload.slots, requests // (MIN_WAVES * max(ray_workers, 1)))))
+        per_worker = workload.prompts * workload.num_generations // max(ray_workers, 1)
+        workload = replace(workload, slots=max(1, min(workload.slots, per_worker // MIN_WAVES)))
     return workload
 
 
 def task_prompts(tokenizer, task: str, n: int, seed: int = 0) -> list[list[int]]:
     """Built-in `task`'s first `n` prompts, chat-encoded (as `rhymerl train` encodes them, same seed)."""
-    from rhymerl.data.dataset import builtin_examples
     from rhymerl.model.pretrained import chat_prompt_ids
 
     return [chat_prompt_ids(tokenizer, e.prompt) for e in builtin_examples(task, n, seed)]
