@@ -436,3 +436,15 @@ def test_bench_matmul_times_both_kernels_and_compares_their_outputs(capsys):
         assert r["max_rel_diff"] < 2e-2  # the same products, summed in another order, rounded once to bf16
     matmul_bench.print_table(summary)
     assert "tiles ms" in capsys.readouterr().out
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_once_stale(tmp_path):
+    """torch's cpp_extension waits forever on the `lock` file of a build that was killed; one older than
+    STALE_LOCK_S is removed (with a warning), a fresh one (a build running now) is left alone."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    made = lock.stat().st_mtime
+    assert not native.clear_stale_lock(tmp_path, now=made + 10) and lock.exists()
+    with pytest.warns(UserWarning, match="build lock"):
+        assert native.clear_stale_lock(tmp_path, now=made + native.STALE_LOCK_S + 1)
+    assert not lock.exists() and not native.clear_stale_lock(tmp_path)

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -80,9 +81,29 @@ def ops():
     return _loaded["ops"]
 
 
+STALE_LOCK_S = 900.0  # a build takes ~15 s (minutes on a loaded machine); a lock this old outlived its build
+
+
+def clear_stale_lock(out: Path, now: float | None = None) -> bool:
+    """Remove the build lock torch's `cpp_extension.load` left in `out` if it is older than STALE_LOCK_S: a
+    build killed mid-way leaves it, and every later process would otherwise wait on it forever. True if removed."""
+    lock = out / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    warnings.warn(f"rhymerl: removing the fused kernels' build lock {lock}, left {age:.0f} s ago by a build that "
+                  f"did not finish", stacklevel=3)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build():
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(out)
     if shutil.which("ninja") is None:  # torch calls `ninja` from PATH; the pip package's may not be on it
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     if not any(out.glob("*.so")):
