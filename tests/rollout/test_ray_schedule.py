@@ -77,14 +77,14 @@ def test_every_schedule_gives_the_same_tokens(pool, policy):
     plans = {}
     for schedule in ray_pool.SCHEDULES:
         pool.schedule = schedule
-        plans[schedule] = pool._plan(gs, 2)
+        plans[schedule] = pool._plan(gs, 2, PARAMS.max_tokens)  # as the call plans: lengths at the cap cut
         result = pool.rollout(gs, PARAMS)
         assert tokens(result) == expected, schedule
         assert sorted(w.requests for w in result.workers) == sorted(2 * len(p) for p in plans[schedule])
     assert plans["static"] == [[0, 1, 2, 3], [4, 5, 6]] and plans["least_loaded"] == [[0, 2, 4, 6], [1, 3, 5]]
     # histopipe: every group once, each worker's list longest predicted first (its admission order)
     assert sorted(plans["histopipe"][0] + plans["histopipe"][1]) == list(range(7))
-    predicted = LengthPredictor.from_history(pool.history, prompts).predict_many(prompts)
+    predicted = LengthPredictor.from_history(pool.history, prompts, cap=PARAMS.max_tokens).predict_many(prompts)
     for share in plans["histopipe"]:
         assert [predicted[g] for g in share] == sorted((predicted[g] for g in share), reverse=True)
 
@@ -96,7 +96,7 @@ def test_migration_moves_requests_to_the_idle_worker_and_changes_no_token(pool, 
     prompts = random_prompts(6, seed=22)
     gs = groups(prompts, tag="m")
     pool.schedule = "static"
-    monkeypatch.setattr(pool, "_plan", lambda groups, n: [[0], list(range(1, len(groups)))])
+    monkeypatch.setattr(pool, "_plan", lambda groups, n, cap=None: [[0], list(range(1, len(groups)))])
     pool.migration = False
     plain = pool.rollout(gs, PARAMS)
     assert plain.engine_totals().migrations == 0

@@ -177,7 +177,7 @@ class RayPool:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         call = _Call(self, params, step)
-        for share, w in zip(self._plan(groups, len(self.actors)), self.workers):
+        for share, w in zip(self._plan(groups, len(self.actors), params.max_tokens), self.workers):
             if share:
                 call.send(call.add_share([groups[i] for i in share], []), w)
         done = call.run()
@@ -193,13 +193,15 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
-    def _plan(self, groups: list[RolloutGroup], num_workers: int) -> list[list[int]]:
-        """Each live worker's groups (indices, in admission order) under `self.schedule`."""
+    def _plan(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[int]]:
+        """Each live worker's groups (indices, in admission order) under `self.schedule`. `cap`: the call's
+        max_tokens, where a recorded length was cut (the predictor takes it as a lower bound, as the worker's
+        admission order and `histopipe/rank_corr` do)."""
         sizes = [len(g.request_ids) for g in groups]
         if self.schedule != "histopipe":
             return plan(sizes, num_workers, self.schedule)
         prompts = [g.prompt_ids for g in groups]
-        predicted = LengthPredictor.from_history(self.history, prompts).predict_many(prompts)
+        predicted = LengthPredictor.from_history(self.history, prompts, cap=cap).predict_many(prompts)
         return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.num_slots)
 
     def _plan_cost(self) -> CostModel:
