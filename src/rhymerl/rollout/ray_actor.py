@@ -107,6 +107,18 @@ class WorkerActor:
                 continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
         return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
 
+    def stream_rollout(self, weights: dict[str, np.ndarray], version: int, groups: list[RolloutGroup],
+                       params: SamplingParams, history: dict,
+                       step: int | None) -> tuple[list[RequestOutput], WorkerStats]:
+        """`RayStream`'s share: load weights `version` first if this worker holds another (the share carries
+        them, so it runs right where the worker's previous share ended, and a share run again after a failure
+        or out of order still gets its own version), then roll out."""
+        def run():
+            if self.worker.weights_version != version:
+                self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
+            return self.worker.rollout(groups, params, history, version, step)
+        return self._on_compute(run)
+
     @ray.method(concurrency_group="handover")
     def hand_over(self, n: int | None = None) -> list[Continuation]:
         return self.worker.hand_over(n)

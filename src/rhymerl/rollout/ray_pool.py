@@ -193,6 +193,15 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
+    def split(self, groups: list[RolloutGroup]) -> list[list[int]]:
+        """Each live worker's groups (indices, in admission order, in `workers` order) under `rollout.schedule`."""
+        return self._plan(groups, len(self.actors))
+
+    def replace_worker(self, worker: int, why: str) -> bool:
+        """After `worker` failed: a fresh actor on the current weights (True), or past `max_restarts` the worker
+        dropped (False); RuntimeError when no worker is left."""
+        return self._recover(worker, why)
+
     def _plan(self, groups: list[RolloutGroup], num_workers: int) -> list[list[int]]:
         """Each live worker's groups (indices, in admission order) under `self.schedule`."""
         sizes = [len(g.request_ids) for g in groups]
@@ -213,8 +222,19 @@ class RayPool:
             self._measured_cost = CostModel.from_dict(state["cost"]) if state and "cost" in state else None
         return self._cost_model or self._measured_cost or DEFAULT_PLAN_COST
 
+    @property
+    def weights_ref(self) -> ray.ObjectRef:
+        """The current weights (version `weights_version`) in the object store."""
+        return self._weights
+
+    def publish_weights(self, params: dict[str, torch.Tensor], version: int) -> ray.ObjectRef:
+        """Put weights `version` in the object store, as the current ones (a replaced worker starts from them),
+        without sending them to any worker: `RayStream`'s shares carry the reference and load it themselves."""
+        self._weights, self.weights_version = self._put(params), version
+        return self._weights
+
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
-        self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them
+        self.publish_weights(params, version)
         refs = {w: a.load_weights.remote(self._weights, version) for w, a in self.actors.items()}
         for w, ref in refs.items():
             try:
