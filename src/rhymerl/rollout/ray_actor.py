@@ -107,14 +107,15 @@ class WorkerActor:
                 continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
         return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
 
-    def stream_rollout(self, weights: dict[str, np.ndarray], version: int, groups: list[RolloutGroup],
+    def stream_rollout(self, weights: dict[str, np.ndarray] | None, version: int, groups: list[RolloutGroup],
                        params: SamplingParams, history: dict,
                        step: int | None) -> tuple[list[RequestOutput], WorkerStats]:
         """`RayStream`'s share: load weights `version` first if this worker holds another (the share carries
         them, so it runs right where the worker's previous share ended, and a share run again after a failure
-        or out of order still gets its own version), then roll out."""
+        or out of order still gets its own version), then roll out. `weights` None: the version the pool
+        started its workers on (the worker refuses the share if it holds another)."""
         def run():
-            if self.worker.weights_version != version:
+            if self.worker.weights_version != version and weights is not None:
                 self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
             return self.worker.rollout(groups, params, history, version, step)
         return self._on_compute(run)

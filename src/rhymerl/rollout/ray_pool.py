@@ -149,7 +149,7 @@ class RayPool:
         return self._new_actor(model_dir, tokenizer, config, worker, seed, device, threads, self._weights,
                                self.weights_version, self._cost_model)
 
-    def _recover(self, worker: int, why: str) -> bool:
+    def replace_worker(self, worker: int, why: str) -> bool:
         """After `worker` failed: a fresh actor for it on the current weights (its history replica refills from
         the next slice it is sent; True), or, past `max_restarts`, drop it (False). A fresh actor that fails to
         start counts as one more failure. RuntimeError when no worker is left."""
@@ -177,7 +177,7 @@ class RayPool:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         call = _Call(self, params, step)
-        for share, w in zip(self._plan(groups, len(self.actors)), self.workers):
+        for share, w in zip(self.split(groups, len(self.actors)), self.workers):
             if share:
                 call.send(call.add_share([groups[i] for i in share], []), w)
         done = call.run()
@@ -193,16 +193,7 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
-    def split(self, groups: list[RolloutGroup]) -> list[list[int]]:
-        """Each live worker's groups (indices, in admission order, in `workers` order) under `rollout.schedule`."""
-        return self._plan(groups, len(self.actors))
-
-    def replace_worker(self, worker: int, why: str) -> bool:
-        """After `worker` failed: a fresh actor on the current weights (True), or past `max_restarts` the worker
-        dropped (False); RuntimeError when no worker is left."""
-        return self._recover(worker, why)
-
-    def _plan(self, groups: list[RolloutGroup], num_workers: int) -> list[list[int]]:
+    def split(self, groups: list[RolloutGroup], num_workers: int) -> list[list[int]]:
         """Each live worker's groups (indices, in admission order) under `self.schedule`."""
         sizes = [len(g.request_ids) for g in groups]
         if self.schedule != "histopipe":
@@ -222,25 +213,14 @@ class RayPool:
             self._measured_cost = CostModel.from_dict(state["cost"]) if state and "cost" in state else None
         return self._cost_model or self._measured_cost or DEFAULT_PLAN_COST
 
-    @property
-    def weights_ref(self) -> ray.ObjectRef:
-        """The current weights (version `weights_version`) in the object store."""
-        return self._weights
-
-    def publish_weights(self, params: dict[str, torch.Tensor], version: int) -> ray.ObjectRef:
-        """Put weights `version` in the object store, as the current ones (a replaced worker starts from them),
-        without sending them to any worker: `RayStream`'s shares carry the reference and load it themselves."""
-        self._weights, self.weights_version = self._put(params), version
-        return self._weights
-
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
-        self.publish_weights(params, version)
+        self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them
         refs = {w: a.load_weights.remote(self._weights, version) for w, a in self.actors.items()}
         for w, ref in refs.items():
             try:
                 ray.get(ref, timeout=self.timeout_s)
             except (RayActorError, RayTaskError, GetTimeoutError) as e:  # a fresh actor starts on these weights
-                self._recover(w, f"failed to load weights version {version} ({type(e).__name__})")
+                self.replace_worker(w, f"failed to load weights version {version} ({type(e).__name__})")
 
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
@@ -281,7 +261,7 @@ class _Call:
     order, or continuations moved to an idle worker; share k's history slice is `slices[k]`), the shares sent
     and not answered yet (`pending`, by share) and the answers (`done`, by share). `run` is the event loop:
     wait for the first answer or deadline; an answer is done and may start a migration, an actor that died or
-    is late has its shares sent again (`RayPool._recover`)."""
+    is late has its shares sent again (`RayPool.replace_worker`)."""
 
     def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
         self.pool, self.params, self.step = pool, params, step
@@ -341,7 +321,7 @@ class _Call:
         moved = [k for k, s in self.pending.items() if s.worker == w]
         for k in moved:
             del self.pending[k]
-        restarted = self.pool._recover(w, why)
+        restarted = self.pool.replace_worker(w, why)
         for k in moved:
             self.send(k, w if restarted else self._least_busy())
 

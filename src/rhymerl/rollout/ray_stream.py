@@ -14,8 +14,9 @@ out of submission order, still runs on its own version. Every token of a step is
 version (the loop asks for the same version as without the stream, so the tokens are the same), and each
 output's `versions` records it per token.
 
-Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`) and every
-share it still owed, of every step in flight, runs again (keyed randomness: the same tokens). Migration and
+Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
+starts on the pool's weights and loads each share's own version) and every share it still owed, of every step in
+flight, runs again (keyed randomness: the same tokens). Migration and
 `rollout.worker_timeout_s` apply to `RayPool.rollout` only: here a worker that runs out of work fills its time
 with the next step instead.
 """
@@ -31,6 +32,8 @@ from ray.exceptions import RayActorError
 
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import RequestOutput
+from rhymerl.model.pretrained import parse_dtype
+from rhymerl.rollout.ray_actor import to_store
 from rhymerl.rollout.ray_pool import RayPool
 from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
 
@@ -44,7 +47,7 @@ class StreamedStep:
     params: SamplingParams
     step: int | None
     version: int
-    weights: ray.ObjectRef
+    weights: ray.ObjectRef | None  # None: the version the pool's workers started on
     shares: list[tuple[list[RolloutGroup], dict]] = field(default_factory=list)
     pending: dict[int, tuple[int, ray.ObjectRef]] = field(default_factory=dict)  # share -> (worker, reply)
     done: dict[int, tuple[list[RequestOutput], WorkerStats]] = field(default_factory=dict)
@@ -57,17 +60,21 @@ class RayStream:
     def __init__(self, pool: RayPool):
         self.pool = pool
         self._in_flight: list[StreamedStep] = []  # submitted and not collected, in submission order
+        # the weights the next shares run on, once published; before, the version the pool's workers hold
+        self._published: tuple[int, ray.ObjectRef] | None = None
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
-        """Weights `version`, for the shares submitted from now on; no worker is interrupted or waited for."""
-        self.pool.publish_weights(params, version)
+        """Weights `version`, for the shares submitted from now on: put in the object store once (as
+        `RayPool.load_weights` puts them); no worker is interrupted or waited for."""
+        self._published = (version, ray.put(to_store(params, parse_dtype(self.pool.config.dtype))))
 
     def submit(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> StreamedStep:
         """Queue each worker's share of `groups` on the current weights version; `step` as in `RayPool.rollout`
         (the admission order's step number). The history slices are the pool's history as of now."""
         pool = self.pool
-        s = StreamedStep(list(groups), params, step, pool.weights_version, pool.weights_ref)
-        for w, share in zip(pool.workers, pool.split(s.groups)):
+        version, weights = self._published or (pool.weights_version, None)
+        s = StreamedStep(list(groups), params, step, version, weights)
+        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers))):
             if share:
                 picked = [s.groups[i] for i in share]
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
