@@ -68,6 +68,16 @@ def test_the_stream_needs_one_step_off_and_no_migration():
     assert load_config(None, ray + ["rollout.mode=one_step_off", "rollout.stream=true"]).rollout.stream
 
 
+def test_the_simulators_rule_waits_for_the_checkpoints_weights_after_a_checkpoint():
+    """one_step_off: step 4 runs on the update of step 2; right after a checkpoint (run.save_every=3), on the
+    update of step 3, as in sync mode and as the loop does (`background_rollout.rolls_ahead`)."""
+    updates = [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]  # steps 1-3's updates
+    assert ready_times([0.0, 5.0], updates, 4, "one_step_off") == [4.0, 5.0]
+    assert ready_times([0.0, 5.0], updates, 4, "one_step_off", save_every=3) == [6.0, 6.0]
+    assert ready_times([0.0, 5.0], updates, 4, "sync") == [6.0, 6.0]
+    assert ready_times([0.0, 0.0], [], 1, "one_step_off", save_every=1) == [0.0, 0.0]  # the first step
+
+
 # ---- tiny runs on a real local Ray cluster ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -155,14 +155,17 @@ _LAG = {"sync": 1, "one_step_off": 2}  # step t waits for the update of step t -
 
 
 def ready_times(worker_end: Sequence[float], updates: Sequence[tuple[float, float]], step: int,
-                mode: str) -> list[float]:
+                mode: str, save_every: int = 0) -> list[float]:
     """When each worker may start its share of step `step` (from 1) in `mode`: once it has finished its share
     of the step before (`worker_end`) and the weights the step runs on exist, at the end of the update of step
     `step - lag` (`updates`, one (start, end) per step so far; version 0 exists at time 0). This is what
     rhymerl's loop does in one_step_off with `rollout.stream` (rl/streamed_rollout.py: a worker's share of
     step t+1 is queued behind its share of t and runs on the weights step t trains from), less the driver's
-    overheads; tests/rl/test_stream.py replays a real run's shares and updates through it."""
-    k = step - _LAG[mode]  # the update whose weights this step runs on (none before step 1)
+    overheads; tests/rl/test_stream.py replays a real run's shares and updates through it. With `save_every`
+    (the loop's run.save_every) the step right after a checkpoint runs on the checkpoint's weights, as in sync
+    mode (a checkpoint holds its own step's weights only, so a resume repeats it)."""
+    lag = 1 if save_every > 0 and (step - 1) % save_every == 0 and step > 1 else _LAG[mode]
+    k = step - lag  # the update whose weights this step runs on (none before step 1)
     weights = updates[k - 1][1] if k >= 1 else 0.0
     return [max(end, weights) for end in worker_end]
 
@@ -185,11 +188,12 @@ class SimulatedRun:
 def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, policy: str, *, mode: str = "sync",
                  slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
                  train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
-                 **plan_kwargs) -> SimulatedRun:
+                 save_every: int = 0, **plan_kwargs) -> SimulatedRun:
     """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
     (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
     update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
-    plan when already made by `plan` for `policy` (a bench running several modes plans once)."""
+    plan when already made by `plan` for `policy` (a bench running several modes plans once). `save_every`:
+    the loop's run.save_every, whose checkpoints make the next step wait for the last update (`ready_times`)."""
     if mode not in _LAG:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if train_s < 0:
@@ -209,7 +213,7 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
             cost_model, slots=slots, true_lengths=lengths if policy == "oracle" else None, **plan_kwargs)
         if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
             assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
-        ready = ready_times(worker_end, updates, t, mode)
+        ready = ready_times(worker_end, updates, t, mode, save_every)
         ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots, per_key=per_key)
         done = [e for e in ends if e is not None]
         start = min((r for r, e in zip(ready, ends) if e is not None), default=max(ready))
