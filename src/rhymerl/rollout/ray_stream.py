@@ -6,7 +6,8 @@ step t is done starts its share of step t+1 right away, with no round trip to th
 finish step t. `collect` returns a step once all of its groups are in, so the loop trains step t while the
 early workers already roll out t+1.
 
-Each share carries the reference to the weights version it is to run on (`WorkerActor.stream_rollout`): the
+Each share carries its place in its actor's queue (Ray does not keep a threaded actor's calls in submission
+order; `WorkerActor.stream_rollout` does) and the reference to the weights version it is to run on: the
 worker loads that version first if it holds another. So a weight load never races a rollout (it happens
 between two shares, on the worker's compute thread), the driver never waits for a worker to be idle before
 publishing new weights (`publish`: into the object store only), and a share run again after a failure, or run
@@ -62,6 +63,7 @@ class RayStream:
         self._in_flight: list[StreamedStep] = []  # submitted and not collected, in submission order
         # the weights the next shares run on, once published; before, the version the pool's workers hold
         self._published: tuple[int, ray.ObjectRef] | None = None
+        self._queued: dict[int, int] = {}  # worker -> shares sent to its actor (the next one's `seq`)
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Weights `version`, for the shares submitted from now on: put in the object store once (as
@@ -84,7 +86,10 @@ class RayStream:
 
     def _send(self, s: StreamedStep, k: int, worker: int) -> None:
         share, history = s.shares[k]
-        ref = self.pool.actors[worker].stream_rollout.remote(s.weights, s.version, share, s.params, history, s.step)
+        seq = self._queued.get(worker, 0)
+        self._queued[worker] = seq + 1
+        ref = self.pool.actors[worker].stream_rollout.remote(seq, s.weights, s.version, share, s.params, history,
+                                                             s.step)
         s.pending[k] = (worker, ref)
 
     def collect(self, s: StreamedStep) -> RolloutResult:
@@ -117,6 +122,7 @@ class RayStream:
         """`worker` died: replace it (or drop it) and send every share it owed, of every step in flight, again
         (to its replacement, or else to the least busy worker), in submission order."""
         restarted = self.pool.replace_worker(worker, why)
+        self._queued.pop(worker, None)  # a fresh actor counts its shares from 0
         for s in self._in_flight:
             for k in [k for k, (w, _) in s.pending.items() if w == worker]:
                 self._send(s, k, worker if restarted else self._least_busy())
