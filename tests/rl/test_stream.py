@@ -198,6 +198,7 @@ def test_the_simulator_replays_the_streams_timeline(stream_rows):
         if t > 1:  # the first step starts when the run has started; later ones as the rule says
             for w, (start, _) in shares.items():
                 assert abs(start - ready[w]) < 0.3, (t, w, start - ready[w])
+                assert start >= worker_end[w], (t, w)  # a worker runs its shares in step order
         worker_end |= {w: end for w, (_, end) in shares.items()}
         updates.append((rec.results[t].finished, rec.published[t]))
 
