@@ -77,7 +77,7 @@ def test_every_schedule_gives_the_same_tokens(pool, policy):
     plans = {}
     for schedule in ray_pool.SCHEDULES:
         pool.schedule = schedule
-        plans[schedule] = pool._plan(gs, 2)
+        plans[schedule] = pool.split(gs, 2)
         result = pool.rollout(gs, PARAMS)
         assert tokens(result) == expected, schedule
         assert sorted(w.requests for w in result.workers) == sorted(2 * len(p) for p in plans[schedule])
