@@ -96,7 +96,7 @@ def test_migration_moves_requests_to_the_idle_worker_and_changes_no_token(pool, 
     prompts = random_prompts(6, seed=22)
     gs = groups(prompts, tag="m")
     pool.schedule = "static"
-    monkeypatch.setattr(pool, "_plan", lambda groups, n: [[0], list(range(1, len(groups)))])
+    monkeypatch.setattr(pool, "split", lambda groups, n: [[0], list(range(1, len(groups)))])
     pool.migration = False
     plain = pool.rollout(gs, PARAMS)
     assert plain.engine_totals().migrations == 0
