@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 
+from rhymerl.bench.history_bench import sides
 from rhymerl.cli import main
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
@@ -44,3 +45,34 @@ def test_bad_options_fail_before_anything_loads(capsys):
     assert main(["bench", "e2e", "--compare", "history", "--epochs", "1", "--num-prompts", "4",
                  "--prompts-per-step", "2", "--skip-steps", "2"]) == 2
     assert "--skip-steps" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--compare", "stream", "--mode", "sync"]) == 2
+    assert "the stream is a one_step_off mode" in capsys.readouterr().err
+
+
+def test_the_stream_on_and_off_train_the_same_one_step_off_run(cluster, tiny_dir, tmp_path, monkeypatch, capsys):
+    """`--compare stream`: one_step_off with rollout.stream on and off, the same history settings; the stream
+    changes when a worker starts the next step, not what it samples (fp32)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc = main(["bench", "e2e", "--compare", "stream", "--mode", "one_step_off", "--model", str(tiny_dir),
+               "--dtype", "fp32", "--num-prompts", "4", "--prompts-per-step", "2", "--num-generations", "4",
+               "--max-completion-length", "12", "--slots", "2", "--epochs", "2", "--learning-rate", "0.01",
+               "--skip-steps", "2"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "stream vs no_stream" in out and "[bench e2e-stream] done in" in err
+    assert "rollout.stream=true" in summary["sides"]["stream"] and "rollout.schedule=histopipe" in summary["sides"]["stream"]
+    assert "rollout.stream=false" in summary["sides"]["no_stream"]
+    stream, plain = summary["runs"]["stream"], summary["runs"]["no_stream"]
+    assert [s["reward"] for s in stream] == [s["reward"] for s in plain]
+    assert summary["reward_curve_max_abs_diff"] == 0
+    assert summary["stream_speedup"] == pytest.approx(summary["no_stream_s_per_step"] / summary["stream_s_per_step"],
+                                                      rel=1e-2)
+
+
+def test_the_history_sides_by_mode():
+    """History on in one_step_off streams instead of migrating; off does neither."""
+    assert sides("history", "sync")["on"][-1] == "rollout.migration=true"
+    assert sides("history", "one_step_off")["on"][-2:] == ["rollout.stream=true", "rollout.migration=false"]
+    assert "rollout.stream=false" in sides("history", "one_step_off")["off"]
+    assert sides("stream", "one_step_off", "off")["stream"][0] == "rollout.speculative=off"

@@ -77,7 +77,7 @@ def test_every_schedule_gives_the_same_tokens(pool, policy):
     plans = {}
     for schedule in ray_pool.SCHEDULES:
         pool.schedule = schedule
-        plans[schedule] = pool._plan(gs, 2, PARAMS.max_tokens)  # as the call plans: lengths at the cap cut
+        plans[schedule] = pool.split(gs, 2, PARAMS.max_tokens)  # as the call plans: lengths at the cap cut
         result = pool.rollout(gs, PARAMS)
         assert tokens(result) == expected, schedule
         assert sorted(w.requests for w in result.workers) == sorted(2 * len(p) for p in plans[schedule])
@@ -96,7 +96,7 @@ def test_migration_moves_requests_to_the_idle_worker_and_changes_no_token(pool, 
     prompts = random_prompts(6, seed=22)
     gs = groups(prompts, tag="m")
     pool.schedule = "static"
-    monkeypatch.setattr(pool, "_plan", lambda groups, n, cap=None: [[0], list(range(1, len(groups)))])
+    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[0], list(range(1, len(groups)))])
     pool.migration = False
     plain = pool.rollout(gs, PARAMS)
     assert plain.engine_totals().migrations == 0

@@ -89,11 +89,11 @@ def cmd_bench_matmul(args) -> int:
 def cmd_bench_e2e(args) -> int:
     """`bench e2e`: seconds per GRPO step, TRL's GRPOTrainer vs rhymerl (speculation off, HistoSpec); with
     `--compare history`, rhymerl with history on vs off on Ray workers."""
-    if args.compare == "history":
+    if args.compare in history_bench.COMPARES:
         return _report(history_bench, history_bench.run(
             args.model, args.dtype, args.data, args.num_prompts, args.prompts_per_step, args.num_generations,
             args.max_completion_length, args.slots, args.workers, args.epochs, args.mode, args.temperature,
-            args.learning_rate, args.skip_steps, args.seed))
+            args.learning_rate, args.skip_steps, args.seed, compare=args.compare, history=args.history))
     summary = e2e_bench.run(args.model, args.dtype, args.num_prompts, args.prompts_per_step, args.num_generations,
                             args.max_completion_length, args.micro_batch_size, args.learning_rate, args.epochs,
                             args.temperature, args.format_weight, args.seed, args.skip_trl)
@@ -260,17 +260,21 @@ def add_parser(sub) -> None:
     b2.add_argument("--format-weight", type=float, default=0.2, help="reward = correctness + weight x format")
     b2.add_argument("--seed", type=int, default=0, help="one seed for every run")
     b2.add_argument("--skip-trl", action="store_true", help="only the two rhymerl runs")
-    b2.add_argument("--compare", choices=("trl", "history"), default="trl",
+    b2.add_argument("--compare", choices=("trl", "history", "stream"), default="trl",
                     help="trl: TRL vs rhymerl (off, HistoSpec), local rollout; history: rhymerl with history on "
-                         "(HistoSpec, rollout.schedule=histopipe, migration) vs off (plain, static, none) on "
-                         "--workers Ray workers in --mode, the paper's own measure")
+                         "(HistoSpec, rollout.schedule=histopipe, migration in sync, rollout.stream in "
+                         "one_step_off) vs off (plain, static, none) on --workers Ray workers in --mode, the paper's "
+                         "own measure; stream: --mode one_step_off with rollout.stream on vs off, history as --history")
     b2.add_argument("--mode", choices=("sync", "one_step_off"), default="sync",
-                    help="--compare history: rollout.mode of both runs")
-    b2.add_argument("--workers", type=positive_int, default=2, help="--compare history: Ray rollout workers")
-    b2.add_argument("--data", default="arithmetic", help="--compare history: the built-in task (data.task)")
-    b2.add_argument("--slots", type=positive_int, default=8, help="--compare history: rollout.num_slots per worker")
+                    help="--compare history|stream: rollout.mode of both runs")
+    b2.add_argument("--history", choices=("on", "off"), default="on",
+                    help="--compare stream: both runs' history settings (on: HistoSpec and the histopipe split; "
+                         "off: plain decoding, static split)")
+    b2.add_argument("--workers", type=positive_int, default=2, help="--compare history|stream: Ray rollout workers")
+    b2.add_argument("--data", default="arithmetic", help="--compare history|stream: the built-in task (data.task)")
+    b2.add_argument("--slots", type=positive_int, default=8, help="--compare history|stream: rollout.num_slots per worker")
     b2.add_argument("--skip-steps", type=int, default=2,
-                    help="--compare history: first steps left out of the medians (no history yet, start-up)")
+                    help="--compare history|stream: first steps left out of the medians (no history yet, start-up)")
     b2.set_defaults(func=cmd_bench_e2e)
     bw = bsub.add_parser("workers", help="seconds per GRPO step: local 1 worker, Ray 1 worker, Ray 2 workers",
                          formatter_class=DefaultsHelp)

@@ -174,6 +174,9 @@ class RolloutSection(_Section):
     mode: str = _opt("sync", "sync = each step rolls out on the weights it trains; one_step_off = step t+1 rolls "
                      "out on the workers while step t trains, on weights one step old (backend=ray; not strictly "
                      "on-policy: see train.tis_imp_ratio_cap)", ROLLOUT_MODES)
+    stream: bool = _opt(False, "mode=one_step_off: rollout as a stream, each worker's share of step t+1 queued "
+                        "behind its share of step t, so that a worker done with step t starts step t+1 at once "
+                        "(on the same weights, the same tokens); off = step t+1 starts when all of step t is in")
     reward_aware_drafting: bool = _opt(False, "HistoSpec prefers branches that earlier responses with higher "
                                        "rewards took (the paper's reward-aware branch priority); the same tokens, "
                                        "other drafts")
@@ -188,7 +191,12 @@ class RolloutSection(_Section):
                 ("schedule", self.backend != "local" or self.schedule == "static", "'static' with "
                  "rollout.backend=local", " (it splits a step among Ray workers; set rollout.backend=ray)"),
                 ("migration", self.backend != "local" or not self.migration, "false with rollout.backend=local",
-                 " (it moves requests between Ray workers; set rollout.backend=ray)")]
+                 " (it moves requests between Ray workers; set rollout.backend=ray)"),
+                ("stream", not self.stream or self.mode == "one_step_off", "false unless rollout.mode=one_step_off",
+                 " (the stream queues step t+1 behind step t, one weights version behind)"),
+                ("stream", not (self.stream and self.migration), "false with rollout.migration=true",
+                 " (migration moves a call's tail to idle workers; the stream fills their time with the next step "
+                 "instead)")]
 
 
 @dataclass

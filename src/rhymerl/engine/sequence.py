@@ -31,6 +31,9 @@ class RequestOutput:
     total_s: float = 0.0  # arrival -> finished
     forwards: int = 0  # forward passes it took part in (prefill included)
     spec: object = None  # HistoSpec's work on it (rhymerl.histospec.stats.SpecStats); None when off
+    # the policy version that sampled each token (one per token_ids entry), stamped by the rollout worker
+    # (rhymerl.rollout.worker); [] from a bare engine, which knows no versions
+    versions: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -60,6 +63,7 @@ class Continuation:
     logprobs: list[float]  # theirs
     params: SamplingParams
     group: object = None  # its sibling group's key (the prompt's `prompt_key` by default)
+    versions: list[int] = field(default_factory=list)  # the policy version of each of output_ids ([]: unknown)
 
 
 @dataclass

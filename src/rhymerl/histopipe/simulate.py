@@ -20,7 +20,8 @@ fully finished (and the update before it has, the trainer being one), and takes 
 - `one_step_off`: step t+1 runs on version t-1, one update behind. A worker may start its step-(t+1) share
   once (a) it has finished its own step-t share and (b) version t-1 exists, i.e. the update of step t-1 has
   finished (steps 1 and 2 run on version 0). So a worker that finishes early starts the next step while the
-  others finish theirs and while the trainer updates: its bubble is filled.
+  others finish theirs and while the trainer updates: its bubble is filled. This is the loop's
+  `rollout.stream` (`ready_times`); without the stream the loop starts step t+1 only once all of step t is in.
 
 Both are one rule, a lag: step t's share on worker w starts at max(w's end of its step t-1 share, the end of
 the update of step t - lag), lag 1 for sync (which implies the whole of step t-1 has finished), 2 for
@@ -153,6 +154,22 @@ MODES = ("sync", "one_step_off")
 _LAG = {"sync": 1, "one_step_off": 2}  # step t waits for the update of step t - lag (see the module doc)
 
 
+def ready_times(worker_end: Sequence[float], updates: Sequence[tuple[float, float]], step: int,
+                mode: str, save_every: int = 0) -> list[float]:
+    """When each worker may start its share of step `step` (from 1) in `mode`: once it has finished its share
+    of the step before (`worker_end`) and the weights the step runs on exist, at the end of the update of step
+    `step - lag` (`updates`, one (start, end) per step so far; version 0 exists at time 0). This is what
+    rhymerl's loop does in one_step_off with `rollout.stream` (rl/streamed_rollout.py: a worker's share of
+    step t+1 is queued behind its share of t and runs on the weights step t trains from), less the driver's
+    overheads; tests/rl/test_stream.py replays a real run's shares and updates through it. With `save_every`
+    (the loop's run.save_every) the step right after a checkpoint runs on the checkpoint's weights, as in sync
+    mode (a checkpoint holds its own step's weights only, so a resume repeats it)."""
+    lag = 1 if save_every > 0 and (step - 1) % save_every == 0 and step > 1 else _LAG[mode]
+    k = step - lag  # the update whose weights this step runs on (none before step 1)
+    weights = updates[k - 1][1] if k >= 1 else 0.0
+    return [max(end, weights) for end in worker_end]
+
+
 @dataclass
 class SimulatedRun:
     """A run of steps (`simulate_run`): one timeline over the whole run (step t's groups after step t-1's),
@@ -171,11 +188,12 @@ class SimulatedRun:
 def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, policy: str, *, mode: str = "sync",
                  slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
                  train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
-                 **plan_kwargs) -> SimulatedRun:
+                 save_every: int = 0, **plan_kwargs) -> SimulatedRun:
     """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
     (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
     update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
-    plan when already made by `plan` for `policy` (a bench running several modes plans once)."""
+    plan when already made by `plan` for `policy` (a bench running several modes plans once). `save_every`:
+    the loop's run.save_every, whose checkpoints make the next step wait for the last update (`ready_times`)."""
     if mode not in _LAG:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if train_s < 0:
@@ -195,9 +213,7 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
             cost_model, slots=slots, true_lengths=lengths if policy == "oracle" else None, **plan_kwargs)
         if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
             assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
-        k = t - _LAG[mode]  # the update whose weights this step runs on (none before step 1)
-        weights = updates[k - 1][1] if k >= 1 else 0.0
-        ready = [max(end, weights) for end in worker_end]
+        ready = ready_times(worker_end, updates, t, mode, save_every)
         ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots, per_key=per_key)
         done = [e for e in ends if e is not None]
         start = min((r for r, e in zip(ready, ends) if e is not None), default=max(ready))

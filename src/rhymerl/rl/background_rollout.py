@@ -16,6 +16,15 @@ from typing import Callable
 from rhymerl.rollout.types import RolloutResult
 
 
+def rolls_ahead(step: int, total_steps: int, save_every: int) -> bool:
+    """Whether step `step` (0-based) of a one_step_off run rolls out ahead, on the weights one update older
+    than the ones it trains: not past the last step, and not the first step nor the step right after a
+    checkpoint. A checkpoint holds its own step's weights only, so a run resumed there could not roll that step
+    out on the weights one step older; that step rolls out on the checkpoint's weights in the uninterrupted run
+    too, and a resume stays exact."""
+    return 0 < step < total_steps and not (save_every > 0 and step % save_every == 0)
+
+
 class BackgroundRollout:
     """At most one rollout in flight, of the step after the one training. `enabled` False (sync mode): every
     call is a no-op and `take` returns None, so the loop rolls every step out itself."""
@@ -31,12 +40,8 @@ class BackgroundRollout:
         return self._executor is not None
 
     def rolls_ahead(self, step: int) -> bool:
-        """Whether step `step` (0-based) rolls out in the background while step - 1 trains: not past the last
-        step, and not the step right after a checkpoint. A checkpoint holds its own step's weights only, so a
-        run resumed there could not roll that step out on the weights one step older; that step rolls out
-        synchronously in the uninterrupted run too, and a resume stays exact."""
-        return (self.enabled and step < self.total_steps
-                and not (self.save_every > 0 and step % self.save_every == 0))
+        """Whether step `step` (0-based) rolls out in the background while step - 1 trains (`rolls_ahead`)."""
+        return self.enabled and rolls_ahead(step, self.total_steps, self.save_every)
 
     def start(self, step: int, rollout: Callable[[], RolloutResult]) -> None:
         """Run `rollout` (step `step`'s) in the background if that step rolls ahead."""

@@ -10,7 +10,10 @@ gives the same rollouts (up to bf16 rounding).
 
 `rollout.mode=one_step_off` (Ray workers): once step t's rollout is recorded, a driver thread rolls out t+1
 on the weights step t trains from, joined before weights t+1 load (a weight load never races a rollout); the
-first step, and the one after each checkpoint, roll out synchronously (`rl/background_rollout.py`).
+first step, and the one after each checkpoint, roll out synchronously (`rl/background_rollout.py`). With
+`rollout.stream` each worker queues its share of t+1 behind its share of t instead (`rl/streamed_rollout.py`):
+the same tokens, without waiting for the slowest worker. Each token's policy version comes back with it;
+`rollout/staleness_mean` and `_max` are over the step's tokens.
 
 `train.filter_groups` (DAPO's dynamic sampling, `rl/filtering.py`; sync only): a step draws batches until it
 holds prompts_per_step groups of unequal rewards; the data position, then ahead of the step, is checkpointed.
@@ -40,15 +43,17 @@ from rhymerl.rl.resume import check_resume_dir, check_total_steps, restore_train
 from rhymerl.rl.lora import add_lora, merged_parameters
 from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.background_rollout import BackgroundRollout
+from rhymerl.rl.streamed_rollout import StreamedRollout
 from rhymerl.rl.filtering import GroupFilter
 from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
 from rhymerl.rl.run_dir import CONFIG, claim, new_run_dir, record_overrides, recorded_overrides
 from rhymerl.rl.run_settings import resolve_machine_defaults, run_dtypes, worker_config
-from rhymerl.rl.step_metrics import group_metrics, length_report, merged, rollout_metrics, val_metrics
+from rhymerl.rl.step_metrics import (group_metrics, length_report, merged, rollout_metrics, staleness_metrics,
+                                     val_metrics)
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams
-from rhymerl.rollout.factory import make_pool
+from rhymerl.rollout.factory import make_pool, make_stream
 from rhymerl.rollout.timeline import append_timeline
 
 
@@ -116,8 +121,11 @@ class TrainingRun:
             self.trainer = RankGroup(*trainer_args, **trainer_kw, seed=cfg.run.seed)
         else:
             self.trainer = PolicyTrainer(*trainer_args, **trainer_kw)
-        # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray)
-        self.ahead = BackgroundRollout(one_step_off, cfg.train.total_steps, cfg.run.save_every)
+        # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray);
+        # with rollout.stream the workers queue the next step behind this one instead
+        self.stream = StreamedRollout(make_stream(self.pool), self._request, cfg.train.total_steps,
+                                      cfg.run.save_every) if cfg.rollout.stream else None
+        self.ahead = BackgroundRollout(one_step_off and self.stream is None, cfg.train.total_steps, cfg.run.save_every)
         self.scorer = RewardScorer.from_config(cfg.reward, cfg.rollout.max_completion_length)
         self.start_step, self.reward_errors = 0, 0
         self.data_pos = 0  # batches of prompts drawn so far: the step, unless dynamic sampling drew more
@@ -153,12 +161,22 @@ class TrainingRun:
                  step: int | None = None) -> RolloutResult:
         """n responses per prompt; request ids (the keys of the random draws) are tag, prompt and generation.
         `step`: the training step as logged (from 1), for the workers' admission order; None for validation."""
-        groups = [RolloutGroup(p.ids, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
-        result = self.pool.rollout(groups, params, step=step)
+        groups = self._groups(prompts, n, tag)
+        result = (self.stream or self.pool).rollout(groups, params, step=step)
         bad = [o for o in result.outputs if o.finish_reason == "error"]
         if bad:
             raise RuntimeError(f"rollout request {bad[0].request_id} was rejected: {bad[0].error}")
         return result
+
+    @staticmethod
+    def _groups(prompts: list[Prompt], n: int, tag: str) -> list[RolloutGroup]:
+        return [RolloutGroup(p.ids, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
+
+    def _request(self, step: int) -> tuple[list[RolloutGroup], SamplingParams, int]:
+        """Training step `step`'s rollout (0-based; one_step_off draws one batch a step, so its data position
+        is the step): groups, params and the step number as logged, for `StreamedRollout`."""
+        return (self._groups(self._prompts_at(step), self.cfg.rollout.num_generations, f"train-s{step}"),
+                self._train_params(), step + 1)
 
     def _prompts_at(self, pos: int) -> list[Prompt]:
         """The prompts at data position `pos` (one batch of prompts_per_step): known in advance, a
@@ -178,7 +196,7 @@ class TrainingRun:
         prompts = self._prompts_at(self.data_pos)
         self.data_pos += 1
         G = self.cfg.rollout.num_generations
-        result = self.ahead.take(step) if k == 0 else None
+        result = None if k else self.stream.take(step) if self.stream else self.ahead.take(step)
         if result is None:  # sync mode, a step that does not roll ahead, or a further draw
             result = self._rollout(prompts, G, self._train_params(), f"train-s{step}" + (f"-d{k}" if k else ""),
                                    step=step + 1)
@@ -244,7 +262,7 @@ class TrainingRun:
         t2 = time.perf_counter()
         waited = self.ahead.join()  # before the weights change: a weight load never races a rollout
         t3 = time.perf_counter()
-        self.pool.load_weights(merged_parameters(self.model), version=step + 1)
+        (self.stream or self.pool).load_weights(merged_parameters(self.model), version=step + 1)
         t4 = time.perf_counter()
         metrics |= group_metrics(train_groups, rewards, adv) | {
             "critic/zero_std_frac": adv_stats["zero_std_frac"],
@@ -263,6 +281,7 @@ class TrainingRun:
         if self.ahead.enabled:  # how long the driver waited for the next step's rollout
             metrics["timing_s/rollout_wait"] = waited
         metrics |= scored.metrics() | rollout_metrics("rollout", result) | rhyme
+        metrics |= staleness_metrics(step, [o for _, outs, *_ in train_groups for o in outs])
         metrics["reward/timeouts"] = timeouts  # over every draw of the step (scored.metrics has the last one's)
         return metrics
 

@@ -44,6 +44,16 @@ def rollout_metrics(prefix: str, result: RolloutResult) -> dict:
     return m | timeline_metrics(result, prefix)
 
 
+def staleness_metrics(version: int, outputs: Sequence) -> dict:
+    """`rollout/staleness_mean` and `_max` over the trained tokens: how many versions the weights `version`
+    the step trains from are past the weights that sampled each token (`RequestOutput.versions`; 0 in sync).
+    verl logs one figure per step; a stream with deferral mixes versions within a step and even a response."""
+    ages = [version - v for o in outputs for v in o.versions]
+    if not ages:  # no tokens (or a pool that stamps no versions)
+        return {}
+    return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": max(ages)}
+
+
 def length_report(history: HistoryStore, prompt_ids: Sequence[list[int]], group_lengths: Sequence[list[int]],
                   cap: int | None = None) -> dict:
     """HistoPipe's premise checked every step (call it before the history records the step): the rank

@@ -1,6 +1,7 @@
 """The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
 
-Ray is imported only where the Ray backend is chosen (`ray_pool` and `ray_actor` are the only modules that import it),
+Ray is imported only where the Ray backend is chosen (`ray_pool`, `ray_actor` and `ray_stream` are the only modules
+that import it),
 so a local run, `generate`, `report` and the benches that need no Ray work where ray is missing or broken.
 """
 
@@ -72,3 +73,11 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
                                 device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
                                 max_restarts=max_worker_restarts, schedule=schedule, migration=migration)
     raise ValueError(f"unknown rollout backend {backend!r} (local or ray)")
+
+
+def make_stream(pool: RolloutPool):
+    """`rollout.stream`: a `ray_stream.RayStream` over a Ray pool's workers (the stream needs the Ray backend:
+    the config's rules refuse it otherwise)."""
+    from rhymerl.rollout import ray_stream  # the optional backend's import, where it is chosen
+
+    return ray_stream.RayStream(pool)

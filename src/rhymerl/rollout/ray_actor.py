@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,7 +68,13 @@ def _from_store(weights: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str,
 # 2.3x as long, a rollout 1.5x (docs/notebook). So all of the worker's compute runs
 # on one thread, `_compute`, and the process keeps one OpenMP pool. `hand_over` computes nothing (it sets a
 # flag the rollout honours between engine steps).
-@ray.remote(concurrency_groups={"handover": 1})
+#
+# `stream_rollout` runs in a group of its own too: Ray does not keep a threaded actor's calls in submission
+# order, and a stream's share of step t+1 once ran before its share of step t (each step of a run then waited for
+# two shares). Each share carries its place in the worker's queue (`seq`), and a share enters the compute thread
+# only after the one before it has (`_stream_turn`); its group has threads enough for the shares a stream keeps
+# in flight on one worker (two steps and a validation).
+@ray.remote(concurrency_groups={"handover": 1, "stream": 4})
 class WorkerActor:
     """A rollout worker in its own process: the `RolloutWorker` it wraps, built on the model directory's
     architecture with the weights it is sent."""
@@ -75,6 +82,7 @@ class WorkerActor:
     def __init__(self, model_dir: str, tokenizer, config: WorkerConfig, worker_id: int, seed: int, device: str,
                  threads: int, weights: dict[str, np.ndarray], version: int, cost_model: CostModel | None):
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="rollout-worker")
+        self._stream_turn, self._stream_next = threading.Condition(), 0  # the next `stream_rollout` seq to enter
 
         def build() -> RolloutWorker:
             setup_process(seed, device)
@@ -106,6 +114,26 @@ class WorkerActor:
                 weights_version: int, step: int | None = None,
                 continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
         return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
+
+    @ray.method(concurrency_group="stream")
+    def stream_rollout(self, seq: int, weights: dict[str, np.ndarray] | None, version: int,
+                       groups: list[RolloutGroup], params: SamplingParams, history: dict,
+                       step: int | None) -> tuple[list[RequestOutput], WorkerStats]:
+        """`RayStream`'s share: load weights `version` first if this worker holds another (the share carries
+        them, so it runs right where the worker's previous share ended, and a share run again after a failure
+        or out of order still gets its own version), then roll out. `weights` None: the version the pool
+        started its workers on (the worker refuses the share if it holds another). `seq`: the share's place in
+        this actor's queue (0, 1, ...): shares enter the compute thread in that order (see above)."""
+        def run():
+            if self.worker.weights_version != version and weights is not None:
+                self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
+            return self.worker.rollout(groups, params, history, version, step)
+        with self._stream_turn:
+            self._stream_turn.wait_for(lambda: self._stream_next == seq)
+            done = self._compute.submit(run)  # the compute thread runs its queue in order
+            self._stream_next += 1
+            self._stream_turn.notify_all()
+        return done.result()
 
     @ray.method(concurrency_group="handover")
     def hand_over(self, n: int | None = None) -> list[Continuation]:

@@ -1,6 +1,5 @@
 """The Ray rollout pool (`rollout.backend=ray`): one Ray actor per worker (`ray_actor.WorkerActor`), each a
-`RolloutWorker` in a process of its own. The Ray backend is two modules, this one (the driver's side) and
-`ray_actor` (the actor's); no other module of rhymerl imports ray.
+`RolloutWorker` in a process of its own. Only the Ray backend (this module, `ray_actor`, `ray_stream`) imports ray.
 
 - **Cluster**: `connect(address)`: '' starts a fresh local cluster (`ray.init(address="local")`, never a
   stray one that happens to run), 'auto' or 'host:port' joins a running one (`ray start --head`). A process
@@ -23,11 +22,10 @@
   lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
   workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole; each worker's list is its admission
   order. Keyed randomness makes the tokens the same under every schedule.
-- **Migration** (`rollout.migration`): when a worker has finished its shares while another still
-  runs one (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its
-  next step boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their
-  prediction) and sends them to the idle one, which re-prefills prompt + generated tokens and decodes on
-  with the same keyed draws. Each response comes back once, as the unmigrated run's.
+- **Migration** (`rollout.migration`): when a worker has finished its shares while another still runs one
+  (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its next step
+  boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their prediction) and sends
+  them to the idle one, which re-prefills prompt + generated tokens and decodes on with the same keyed draws.
 """
 
 from __future__ import annotations
@@ -149,7 +147,7 @@ class RayPool:
         return self._new_actor(model_dir, tokenizer, config, worker, seed, device, threads, self._weights,
                                self.weights_version, self._cost_model)
 
-    def _recover(self, worker: int, why: str) -> bool:
+    def replace_worker(self, worker: int, why: str) -> bool:
         """After `worker` failed: a fresh actor for it on the current weights (its history replica refills from
         the next slice it is sent; True), or, past `max_restarts`, drop it (False). A fresh actor that fails to
         start counts as one more failure. RuntimeError when no worker is left."""
@@ -177,7 +175,7 @@ class RayPool:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         call = _Call(self, params, step)
-        for share, w in zip(self._plan(groups, len(self.actors), params.max_tokens), self.workers):
+        for share, w in zip(self.split(groups, len(self.actors), params.max_tokens), self.workers):
             if share:
                 call.send(call.add_share([groups[i] for i in share], []), w)
         done = call.run()
@@ -193,7 +191,7 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
-    def _plan(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[int]]:
+    def split(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[int]]:
         """Each live worker's groups (indices, in admission order) under `self.schedule`. `cap`: the call's
         max_tokens, where a recorded length was cut (the predictor takes it as a lower bound, as the worker's
         admission order and `histopipe/rank_corr` do)."""
@@ -222,7 +220,7 @@ class RayPool:
             try:
                 ray.get(ref, timeout=self.timeout_s)
             except (RayActorError, RayTaskError, GetTimeoutError) as e:  # a fresh actor starts on these weights
-                self._recover(w, f"failed to load weights version {version} ({type(e).__name__})")
+                self.replace_worker(w, f"failed to load weights version {version} ({type(e).__name__})")
 
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
@@ -263,7 +261,7 @@ class _Call:
     order, or continuations moved to an idle worker; share k's history slice is `slices[k]`), the shares sent
     and not answered yet (`pending`, by share) and the answers (`done`, by share). `run` is the event loop:
     wait for the first answer or deadline; an answer is done and may start a migration, an actor that died or
-    is late has its shares sent again (`RayPool._recover`)."""
+    is late has its shares sent again (`RayPool.replace_worker`)."""
 
     def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
         self.pool, self.params, self.step = pool, params, step
@@ -323,7 +321,7 @@ class _Call:
         moved = [k for k, s in self.pending.items() if s.worker == w]
         for k in moved:
             del self.pending[k]
-        restarted = self.pool._recover(w, why)
+        restarted = self.pool.replace_worker(w, why)
         for k in moved:
             self.send(k, w if restarted else self._least_busy())
 

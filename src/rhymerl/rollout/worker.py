@@ -86,6 +86,7 @@ class RolloutWorker:
         self._call_prompts: list[list[int]] = []
         self._call_cap: int | None = None  # the call's max_tokens: a recorded length there was cut (censored)
         self._predictor: LengthPredictor | None = None
+        self._prior: dict = {}  # request id -> the token versions a continuation brought, for the running call
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
         """The order the groups enter the engine's queue (`WorkerConfig.admission`; `step`, the training step
@@ -149,16 +150,30 @@ class RolloutWorker:
         # The engine times a request from its arrival, when generate queues it, microseconds after wall0:
         # wall0 + queued_s dates its admission to a slot (never before wall0), wall0 + total_s its end.
         wall0 = time.time()
+        # the versions of the tokens a continuation brings (sampled before it came here); its new ones are ours
+        self._prior = {c.request_id: self._known_versions(c) for c in continuations}
         by_id = {o.request_id: o for o in self._generate(prompts, params, ids, list(continuations))}
         given = [rid for g in groups for rid in g.request_ids] + [c.request_id for c in continuations]
         # back in the order given; what was handed over (hand_over) is the adopting worker's to return
         outputs = [by_id[rid] for rid in given if rid in by_id]
+        for o in outputs:
+            o.versions = self._stamped(o.request_id, len(o.token_ids))
         stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
                        for o in outputs]
         stats.requests = len(outputs)
         stats.engine, stats.spec = self.engine.take_stats()
         stats.finished = time.time()
         return outputs, stats
+
+    def _known_versions(self, c: Continuation) -> list[int]:
+        """A continuation's token versions; one that carries none was sampled on this worker's version (a
+        migration within one call: every worker holds the call's version)."""
+        return list(c.versions) if len(c.versions) == len(c.output_ids) else [self.weights_version] * len(c.output_ids)
+
+    def _stamped(self, request_id, num_tokens: int) -> list[int]:
+        """Each of a request's `num_tokens` tokens' policy version: what it brought, then this worker's."""
+        prior = self._prior.get(request_id, [])
+        return prior + [self.weights_version] * (num_tokens - len(prior))
 
     # ---- migration ----------------------------------------------------------------------------------------
     def hand_over(self, n: int | None = None, timeout: float = 60.0) -> list[Continuation]:
@@ -210,6 +225,8 @@ class RolloutWorker:
             running = sorted((q for q in unfinished if q.status != Status.WAITING),
                              key=lambda q: self._predict(q.prompt_ids) - len(q.output_ids))
             request.taken = [self.engine.extract(q.request_id) for q in (waiting + running)[:max(n, 0)]]
+            for c in request.taken:
+                c.versions = self._stamped(c.request_id, len(c.output_ids))
         finally:
             request.done.set()
 

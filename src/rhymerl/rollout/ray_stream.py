@@ -1,0 +1,136 @@
+"""Rollout as a stream over a `RayPool`'s workers (`rollout.stream`, with `rollout.mode=one_step_off`).
+
+A step's groups are split as `RayPool.rollout` splits them (`RayPool.split`, `rollout.schedule`) and each
+worker's share is queued on its actor at once, behind whatever that actor still runs: a worker whose share of
+step t is done starts its share of step t+1 right away, with no round trip to the driver, while the others
+finish step t. `collect` returns a step once all of its groups are in, so the loop trains step t while the
+early workers already roll out t+1.
+
+Each share carries its place in its actor's queue (Ray does not keep a threaded actor's calls in submission
+order; `WorkerActor.stream_rollout` does) and the reference to the weights version it is to run on: the
+worker loads that version first if it holds another. So a weight load never races a rollout (it happens
+between two shares, on the worker's compute thread), the driver never waits for a worker to be idle before
+publishing new weights (`publish`: into the object store only), and a share run again after a failure, or run
+out of submission order, still runs on its own version. Every token of a step is sampled by that step's
+version (the loop asks for the same version as without the stream, so the tokens are the same), and each
+output's `versions` records it per token.
+
+Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
+starts on the pool's weights and loads each share's own version) and every share it still owed, of every step in
+flight, runs again (keyed randomness: the same tokens). Migration and
+`rollout.worker_timeout_s` apply to `RayPool.rollout` only: here a worker that runs out of work fills its time
+with the next step instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sequence import RequestOutput
+from rhymerl.model.pretrained import parse_dtype
+from rhymerl.rollout.ray_actor import to_store
+from rhymerl.rollout.ray_pool import RayPool
+from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkerStats
+
+
+@dataclass
+class StreamedStep:
+    """One submitted step: its groups, the weights version its shares run on, and its shares (groups in
+    admission order, each with its history slice) pending on a worker or done."""
+
+    groups: list[RolloutGroup]
+    params: SamplingParams
+    step: int | None
+    version: int
+    weights: ray.ObjectRef | None  # None: the version the pool's workers started on
+    shares: list[tuple[list[RolloutGroup], dict]] = field(default_factory=list)
+    pending: dict[int, tuple[int, ray.ObjectRef]] = field(default_factory=dict)  # share -> (worker, reply)
+    done: dict[int, tuple[list[RequestOutput], WorkerStats]] = field(default_factory=dict)
+
+
+class RayStream:
+    """Submit steps to a `RayPool`'s workers ahead of time and collect each when its groups are all in (see
+    the module doc). `publish` replaces the pool's `load_weights`."""
+
+    def __init__(self, pool: RayPool):
+        self.pool = pool
+        self._in_flight: list[StreamedStep] = []  # submitted and not collected, in submission order
+        # the weights the next shares run on, once published; before, the version the pool's workers hold
+        self._published: tuple[int, ray.ObjectRef] | None = None
+        self._queued: dict[int, int] = {}  # worker -> shares sent to its actor (the next one's `seq`)
+
+    def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
+        """Weights `version`, for the shares submitted from now on: put in the object store once (as
+        `RayPool.load_weights` puts them); no worker is interrupted or waited for."""
+        self._published = (version, ray.put(to_store(params, parse_dtype(self.pool.config.dtype))))
+
+    def submit(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> StreamedStep:
+        """Queue each worker's share of `groups` on the current weights version; `step` as in `RayPool.rollout`
+        (the admission order's step number). The history slices are the pool's history as of now."""
+        pool = self.pool
+        version, weights = self._published or (pool.weights_version, None)
+        s = StreamedStep(list(groups), params, step, version, weights)
+        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers))):
+            if share:
+                picked = [s.groups[i] for i in share]
+                s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
+                self._send(s, len(s.shares) - 1, w)
+        self._in_flight.append(s)
+        return s
+
+    def _send(self, s: StreamedStep, k: int, worker: int) -> None:
+        share, history = s.shares[k]
+        seq = self._queued.get(worker, 0)
+        self._queued[worker] = seq + 1
+        ref = self.pool.actors[worker].stream_rollout.remote(seq, s.weights, s.version, share, s.params, history,
+                                                             s.step)
+        s.pending[k] = (worker, ref)
+
+    def collect(self, s: StreamedStep) -> RolloutResult:
+        """Wait until every group of `s` is in; the step's result. Its wall interval runs from the first of its
+        shares to start on a worker to the last to finish (a streamed step has no call of its own)."""
+        while s.pending:
+            by_ref = {ref: k for k, (_, ref) in s.pending.items()}
+            ready, _ = ray.wait(list(by_ref), num_returns=1)
+            k = by_ref[ready[0]]
+            try:
+                s.done[k] = ray.get(ready[0])
+                del s.pending[k]
+            except RayActorError as e:
+                self._failed(s.pending[k][0], f"died ({type(e).__name__})")
+        self._in_flight.remove(s)
+        by_id = {o.request_id: o for k in sorted(s.done) for o in s.done[k][0]}
+        missing = [rid for g in s.groups for rid in g.request_ids if rid not in by_id]
+        if missing:
+            raise RuntimeError(f"rollout stream: requests {missing[:3]} came back from no worker (every request of "
+                               f"a step must come back once)")
+        stats = [s.done[k][1] for k in sorted(s.done)]
+        return RolloutResult([by_id[rid] for g in s.groups for rid in g.request_ids], stats, s.version,
+                             started=min(w.started for w in stats), finished=max(w.finished for w in stats))
+
+    def rollout(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
+        """Submit and collect at once (validation): queued behind the shares in flight."""
+        return self.collect(self.submit(groups, params, step))
+
+    def _failed(self, worker: int, why: str) -> None:
+        """`worker` died: replace it (or drop it) and send every share it owed, of every step in flight, again
+        (to its replacement, or else to the least busy worker), in submission order."""
+        restarted = self.pool.replace_worker(worker, why)
+        self._queued.pop(worker, None)  # a fresh actor counts its shares from 0
+        for s in self._in_flight:
+            for k in [k for k, (w, _) in s.pending.items() if w == worker]:
+                self._send(s, k, worker if restarted else self._least_busy())
+
+    def _least_busy(self) -> int:
+        owed = {w: 0 for w in self.pool.workers}
+        for s in self._in_flight:
+            for w, _ in s.pending.values():
+                if w in owed:
+                    owed[w] += 1
+        return min(owed, key=owed.__getitem__)
