@@ -76,7 +76,7 @@ class RayStream:
         pool = self.pool
         version, weights = self._published or (pool.weights_version, None)
         s = StreamedStep(list(groups), params, step, version, weights)
-        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers))):
+        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers), params.max_tokens)):
             if share:
                 picked = [s.groups[i] for i in share]
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
