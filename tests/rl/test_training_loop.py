@@ -284,7 +284,7 @@ def test_countdown_task_and_too_long_prompts(tiny_dir, tmp_path):
     rows = read_metrics(TrainingRun(load_config(None, base), cost_model=FLAT).run())
     assert rows[0]["data/skipped_long_prompts"] == 0 and "val/accuracy" in rows[-1]
     with pytest.raises(ValueError, match="max_prompt_length"):
-        TrainingRun(load_config(None, base + ["data.max_prompt_length=5"]))
+        TrainingRun(load_config(None, [*base, f"run.output_dir={tmp_path / 'short'}", "data.max_prompt_length=5"]))
 
 
 def test_bad_config_names_the_key(tiny_dir, tmp_path):

@@ -49,9 +49,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.requires_grad:
-            # Inference (the engine's steps, a CUDA graph's): two ops, torch's fused RMSNorm (one aten op on
-            # every device), then the weight. Not F.rms_norm's own weight: transformers rounds x / rms(x) to
+        if not self.training:
+            # Inference (eval mode: a rollout worker's copy, the engine's steps, a CUDA graph's): two ops, torch's
+            # fused RMSNorm (one aten op on every device), then the weight. By mode, not by whether grad is on:
+            # the trainer's no-grad forward (old log-probs) must round as its loss forward does. Not F.rms_norm's own weight: transformers rounds x / rms(x) to
             # the input's dtype before multiplying by the weight (as the CPU kernels do); one rounding instead
             # of two would change the last bit in bf16.
             return F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.weight
