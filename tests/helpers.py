@@ -56,3 +56,14 @@ def training_samples(seed: int = 0, n: int = 6, group: int = 1) -> list[Sample]:
         adv = 0.0 if i % 3 == 0 else float(torch.randn(1, generator=g))
         out.append(Sample(p, comp, old, adv))
     return out
+
+
+def one_step_off_overrides(tiny_dir, out, reward: str, *extra: str, prompts: int = 4, micro_batch: int = 4) -> list[str]:
+    """The config overrides of a tiny fp32 one_step_off run on 2 Ray workers (2 prompts x 3 a step, 8 tokens),
+    scored by `reward`, a function of `tiny_dir`/reward_fns.py; `extra` last, so it wins."""
+    return [f"model.name={tiny_dir}", f"run.output_dir={out}", f"data.num_train_prompts={prompts}",
+            "data.num_val_prompts=0", "train.prompts_per_step=2", "rollout.num_generations=3",
+            "rollout.max_completion_length=8", "rollout.num_slots=6", f"train.micro_batch_size={micro_batch}",
+            "train.learning_rate=0.01", "train.dtype=fp32", "rollout.dtype=fp32", "run.progress=false",
+            "run.tensorboard=false", "val.every=0", f"reward.function={tiny_dir / 'reward_fns.py'}:{reward}",
+            "rollout.backend=ray", "rollout.num_workers=2", "rollout.mode=one_step_off", *extra]

@@ -23,6 +23,7 @@ from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
 from rhymerl.rollout import RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from helpers import one_step_off_overrides
 from tiny_models import random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -92,13 +93,8 @@ def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 def _config(tiny_dir: Path, out: Path, *extra: str):
-    return load_config(None, [
-        f"model.name={tiny_dir}", f"run.output_dir={out}", "data.num_train_prompts=8", "data.num_val_prompts=0",
-        "train.prompts_per_step=2", "rollout.num_generations=3", "rollout.max_completion_length=8",
-        "rollout.num_slots=6", "train.micro_batch_size=6", "train.learning_rate=0.01", "train.dtype=fp32",
-        "rollout.dtype=fp32", "run.progress=false", "run.tensorboard=false", "val.every=0",
-        f"reward.function={tiny_dir / 'reward_fns.py'}:slow_length_mod", "rollout.backend=ray",
-        "rollout.num_workers=2", "rollout.mode=one_step_off", "rollout.speculative=off", *extra])
+    return load_config(None, one_step_off_overrides(tiny_dir, out, "slow_length_mod", "rollout.speculative=off",
+                                                    *extra, prompts=8, micro_batch=6))
 
 
 class Recorder:
