@@ -11,6 +11,7 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
+from rhymerl.metrics import read_metrics
 from rhymerl.rl.logprobs import Sample
 from tiny_models import VOCAB, random_prompts
 
@@ -67,3 +68,17 @@ def one_step_off_overrides(tiny_dir, out, reward: str, *extra: str, prompts: int
             "train.learning_rate=0.01", "train.dtype=fp32", "rollout.dtype=fp32", "run.progress=false",
             "run.tensorboard=false", "val.every=0", f"reward.function={tiny_dir / 'reward_fns.py'}:{reward}",
             "rollout.backend=ray", "rollout.num_workers=2", "rollout.mode=one_step_off", *extra]
+
+
+def train_rows(run) -> list[dict]:
+    """Run a `TrainingRun` to its end; its metrics rows after step 0. Its pool is closed either way (a Ray
+    pool's actors hold the test cluster's 2 CPUs)."""
+    try:
+        return [row for row in read_metrics(run.run()) if row["step"] > 0]
+    finally:
+        run.pool.close()
+
+
+def learned(row: dict) -> dict:
+    """What a step learned and rolled out, without its timings."""
+    return {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "response_length/", "rollout/stal"))}

@@ -15,14 +15,13 @@ import torch
 from rhymerl.config import ConfigError, TrainSection, load_config
 from rhymerl.cost_model import CostModel
 from rhymerl.history import HistoryStore
-from rhymerl.metrics import read_metrics
 from rhymerl.rl.logprobs import Sample, token_logprobs
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.losses import policy_loss, tis_weights
 from rhymerl.rl.trainer import PolicyTrainer
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from helpers import one_step_off_overrides
+from helpers import learned as _learned, one_step_off_overrides, train_rows as _train
 from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -170,18 +169,6 @@ def tiny_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 def _config(tiny_dir: Path, out: Path, *extra: str):
     return load_config(None, one_step_off_overrides(tiny_dir, out, "length_mod", *extra))
-
-
-def _train(run: TrainingRun) -> list[dict]:
-    try:
-        return [row for row in read_metrics(run.run()) if row["step"] > 0]
-    finally:
-        run.pool.close()  # its actors hold the cluster's 2 CPUs
-
-
-def _learned(row: dict) -> dict:
-    """What a step learned and rolled out, without its timings."""
-    return {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "response_length/", "rollout/stal"))}
 
 
 def test_one_step_off_rolls_out_one_version_behind_and_corrects_with_tis(cluster, tiny_dir, tmp_path):

@@ -18,12 +18,11 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.histopipe.simulate import ready_times
 from rhymerl.history import HistoryStore
-from rhymerl.metrics import read_metrics
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
 from rhymerl.rollout import RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from helpers import one_step_off_overrides
+from helpers import learned as _learned, one_step_off_overrides, train_rows as _train
 from tiny_models import random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -122,17 +121,6 @@ class Recorder:
             load(params, version)
             self.published[version] = time.time()
         monkeypatch.setattr(sink, "load_weights", published)
-
-
-def _train(run: TrainingRun) -> list[dict]:
-    try:
-        return [row for row in read_metrics(run.run()) if row["step"] > 0]
-    finally:
-        run.pool.close()  # its actors hold the cluster's 2 CPUs
-
-
-def _learned(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "response_length/", "rollout/stal"))}
 
 
 def _shares(result) -> dict[int, tuple[float, float]]:
