@@ -4,12 +4,14 @@ follows."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from rhymerl.commands.report import cmd_report
 from rhymerl.config import config_help, load_config
 from rhymerl.errors import UserError
+from rhymerl.rl import torchrun
 from rhymerl.rl.loop import TrainingRun
 
 
@@ -21,10 +23,15 @@ def cmd_train(args) -> int:
         raise UserError(f"--resume {args.resume} continues the run with its saved config "
                         f"({Path(args.resume) / 'config.yaml'}); --config cannot be combined with it: give "
                         f"changes as key=value overrides, or start a new run with --config")
+    if torchrun.is_worker():  # torchrun's ranks 1..N-1 serve the update; rank 0 (here, below) is the driver
+        return torchrun.serve()
     if args.resume:
         run = TrainingRun.resume(args.resume, args.overrides)
     else:
         run = TrainingRun(load_config(args.config, args.overrides))
+    if torchrun.launched() and run.cfg.train.world_size == 1:  # the other processes would wait for it forever
+        raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes and train.world_size is 1: set "
+                        f"train.world_size={os.environ['WORLD_SIZE']} (each torchrun process is a rank of the update)")
     print(f"[train] run directory: {run.run_dir} (resume with: rhymerl train --resume {run.run_dir})", file=sys.stderr)
     run_dir = run.run()
     return cmd_report(argparse.Namespace(run_dir=str(run_dir), out=None))

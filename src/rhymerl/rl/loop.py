@@ -116,9 +116,9 @@ class TrainingRun:
                         self.ref_model)
         trainer_kw = {"dtype": self.dtypes["train"],
                       "tis_imp_ratio_cap": cfg.train.tis_imp_ratio_cap if one_step_off else 0.0}
-        if cfg.train.world_size > 1:  # ranks in processes of their own; self.model is then their mirror
-            from rhymerl.rl.ranks import RankGroup  # torch.distributed's imports, only when ranks are asked for
-            self.trainer = RankGroup(*trainer_args, **trainer_kw, seed=cfg.run.seed)
+        if cfg.train.world_size > 1:  # ranks: local processes, Ray actors or torchrun's; self.model their mirror
+            from rhymerl.rl.rank_groups import rank_group  # torch.distributed's imports, only when ranks are asked for
+            self.trainer = rank_group(cfg.rollout.backend, *trainer_args, **trainer_kw, seed=cfg.run.seed)
         else:
             self.trainer = PolicyTrainer(*trainer_args, **trainer_kw)
         # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray);

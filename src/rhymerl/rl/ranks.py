@@ -1,5 +1,7 @@
-"""The update on several ranks (`train.world_size` > 1): `RankGroup`, what the driver holds in place of a
-`PolicyTrainer`, and `_rank_main`, each rank's process.
+"""The update on several ranks (`train.world_size` > 1), the driver's side: `RankDriver`, what the driver
+holds in place of a `PolicyTrainer` whichever way the ranks were started, and `RankGroup`, ranks as local
+processes (the others: Ray actors, `rl/ray_ranks.py`; torchrun's processes, `rl/torchrun.py`; which one
+runs: `rl/rank_groups.py`). What each rank does is `rl/rank.py`.
 
 The driver keeps the rollout pool, the history and its own copy of the policy (the mirror: what the pool
 loads and checkpoints save). `RankGroup` starts N processes of this machine (spawned; gloo on a CPU, NCCL
@@ -21,7 +23,6 @@ import signal
 import socket
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -29,39 +30,70 @@ import torch.multiprocessing as mp
 from rhymerl.config import TrainSection
 from rhymerl.errors import UserError
 from rhymerl.model.decoder import Decoder
-from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
+from rhymerl.process import setup_process
 from rhymerl.rl.logprobs import Sample
-from rhymerl.rl.sharding import CommCounter, Sharding, process_group
-from rhymerl.rl.trainer import PolicyTrainer
+from rhymerl.rl.rank import Rank, RankSpec, backend
+from rhymerl.rl.sharding import process_group
 
 _POLL_S = 0.5  # how often the driver looks for a dead rank while it waits
-_GRACE_S = 2.0  # how long a rank's failure waits for a peer's death to show (the likelier cause)
+GRACE_S = 2.0  # how long a rank's failure waits for a peer's death to show (the likelier cause)
 
 
 class RankFailure(UserError):
     """A rank of the update died or failed: the run stops (the message names it and says how to go on)."""
 
 
-@dataclass
-class _RankSpec:
-    """What a rank builds itself from (picklable: the tensors travel as shared memory)."""
-
-    world_size: int
-    strategy: str
-    port: int
-    seed: int
-    model_cfg: object
-    mirror: dict[str, torch.Tensor]  # the driver's policy weights, shared memory: read at start, written after steps
-    ref: dict[str, torch.Tensor] | None
-    train: TrainSection
-    trainer_kw: dict
-    threads: int
-    count_comm: bool  # `CommCounter` in every rank; each update's answer then carries rank 0's bytes
+def rank_spec(model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
+              ref_model: Decoder | None, dtype: str | None, tis_imp_ratio_cap: float, seed: int, count_comm: bool,
+              threads: int, mirror: bool) -> RankSpec:
+    """What every rank builds itself from: the model's weights in shared memory where `mirror` (its own
+    tensors on a CPU, else CPU copies), else detached CPU tensors."""
+    weights = _shared(model) if mirror else _on_cpu(model)
+    ref = None if ref_model is None else _shared(ref_model) if mirror else _on_cpu(ref_model)
+    return RankSpec(cfg.world_size, cfg.strategy, seed, model.cfg, weights, ref, cfg,
+                    {"temperature": temperature, "max_completion_length": max_completion_length, "dtype": dtype,
+                     "tis_imp_ratio_cap": tis_imp_ratio_cap}, threads, count_comm, mirror)
 
 
-class RankGroup:
-    """`PolicyTrainer`'s interface (`update`, `state_dict`, `load_state_dict`) over `world_size` rank processes.
-    After `update` returns, `model` (the driver's copy) holds the new weights. Call `close` when done."""
+class RankDriver:
+    """`PolicyTrainer`'s interface (`update`, `state_dict`, `load_state_dict`) over ranks; after `update`
+    returns, `model` (the driver's copy) holds the new weights. A launcher provides `_call` (send a command to
+    every rank, return rank 0's answer) and `close`."""
+
+    model: Decoder
+    _mirror: dict[str, torch.Tensor] | None = None  # shared memory rank 0 writes into (local processes)
+
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """One `PolicyTrainer.update` over the ranks; returns rank 0's metrics (reduced over ranks)."""
+        metrics, weights = self._call("update", samples)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                source = weights[name] if weights else self._mirror[name]
+                if p.data_ptr() != source.data_ptr():  # (a CPU model is its own mirror: written already)
+                    p.copy_(source)
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._call("load_state_dict", state)
+
+    def _call(self, command: str, payload=None):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, what: str):
+        self.close()
+        raise RankFailure(f"{what}; the run stopped, its last checkpoint is intact: continue it with "
+                          f"`rhymerl train --resume RUN_DIR`")
+
+
+class RankGroup(RankDriver):
+    """The ranks as `world_size` processes of this machine, spawned (see the module doc). Call `close` when
+    done."""
 
     def __init__(self, model: Decoder, cfg: TrainSection, temperature: float, max_completion_length: int,
                  ref_model: Decoder | None = None, dtype: str | None = None, tis_imp_ratio_cap: float = 0.0,
@@ -70,37 +102,19 @@ class RankGroup:
             raise UserError(f"train.world_size={cfg.world_size}: this machine has {torch.cuda.device_count()} GPUs "
                             f"(one rank a GPU)")
         self.model = model
-        # shared memory the ranks start from and rank 0 writes each step's weights into: the model's own
-        # tensors on a CPU (no copy), else a CPU copy that `update` loads into the model
-        self._mirror = _shared(model)
-        ref = _shared(ref_model) if ref_model is not None else None
         threads = max(1, len(os.sched_getaffinity(0)) // cfg.world_size)  # the ranks share this machine's cores
-        spec = _RankSpec(cfg.world_size, cfg.strategy, _free_port(), seed, model.cfg, self._mirror, ref, cfg,
-                         {"temperature": temperature, "max_completion_length": max_completion_length,
-                          "dtype": dtype, "tis_imp_ratio_cap": tis_imp_ratio_cap}, threads, count_comm)
+        spec = rank_spec(model, cfg, temperature, max_completion_length, ref_model, dtype, tis_imp_ratio_cap, seed,
+                         count_comm, threads, mirror=True)
+        self._mirror = spec.weights
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(cfg.world_size)]
         self._outbox = ctx.Queue()
-        self._procs = [ctx.Process(target=_rank_main, args=(r, spec, self._inboxes[r], self._outbox),
+        port = free_port()
+        self._procs = [ctx.Process(target=_rank_main, args=(r, spec, port, self._inboxes[r], self._outbox),
                                    name=f"rhymerl-rank{r}", daemon=True) for r in range(cfg.world_size)]
         for p in self._procs:
             p.start()
         self._call("ready")
-
-    def update(self, samples: list[Sample]) -> dict[str, float]:
-        """One `PolicyTrainer.update` over the ranks; returns rank 0's metrics (reduced over ranks)."""
-        metrics = self._call("update", samples)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if p.data_ptr() != self._mirror[name].data_ptr():  # a model off the CPU (else: written already)
-                    p.copy_(self._mirror[name])
-        return metrics
-
-    def state_dict(self) -> dict:
-        return self._call("state_dict")
-
-    def load_state_dict(self, state: dict) -> None:
-        self._call("load_state_dict", state)
 
     def rank_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -118,7 +132,7 @@ class RankGroup:
                     self._fail(self._died(command))
                 continue
             if not ok:  # a peer's death surfaces in the survivors as a failed collective: name the dead one
-                deadline = time.monotonic() + _GRACE_S
+                deadline = time.monotonic() + GRACE_S
                 while not self._died() and time.monotonic() < deadline:
                     time.sleep(0.05)
                 self._fail(self._died(command) or f"rank {rank} of the update failed during '{command}': {value}")
@@ -131,11 +145,6 @@ class RankGroup:
             if p.exitcode not in (None, 0):
                 return f"rank {r} of the update (pid {p.pid}) died ({_exit_reason(p.exitcode)}) during '{command}'"
         return ""
-
-    def _fail(self, what: str):
-        self.close()
-        raise RankFailure(f"{what}; the run stopped, its last checkpoint is intact: continue it with "
-                          f"`rhymerl train --resume RUN_DIR`")
 
     def close(self) -> None:
         """Stop the ranks (politely when they are idle; a rank stuck in a collective is killed)."""
@@ -165,9 +174,15 @@ def _shared(model: Decoder) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in model.named_parameters()}
 
 
-def _free_port() -> int:
+def _on_cpu(model: Decoder) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, detached, on a CPU (copies where they are elsewhere)."""
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a rendezvous about to start there)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -175,7 +190,7 @@ def _exit_reason(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _rank_main(rank: int, spec: _RankSpec, inbox, outbox) -> None:
+def _rank_main(rank: int, spec: RankSpec, port: int, inbox, outbox) -> None:
     """One rank: build the wrapped policy and its trainer, then answer the driver's commands until 'stop'."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -186,7 +201,7 @@ def _rank_main(rank: int, spec: _RankSpec, inbox, outbox) -> None:
     setup_process(spec.seed, device.type)
     code = 1
     try:
-        _serve(rank, spec, device, inbox, outbox)
+        _serve(rank, spec, port, device, inbox, outbox)
         code = 0
     except BaseException:  # e.g. the rendezvous failed: said to the driver, which stops the others
         outbox.put((rank, False, traceback.format_exc().strip().splitlines()[-1]))
@@ -198,17 +213,10 @@ def _rank_main(rank: int, spec: _RankSpec, inbox, outbox) -> None:
         os._exit(code)
 
 
-def _serve(rank: int, spec: _RankSpec, device: torch.device, inbox, outbox) -> None:
-    with process_group("nccl" if device.type == "cuda" else "gloo", rank, spec.world_size, spec.port):
+def _serve(rank: int, spec: RankSpec, port: int, device: torch.device, inbox, outbox) -> None:
+    with process_group(backend(device), rank, spec.world_size, "127.0.0.1", port):
         try:
-            sharding = Sharding(spec.strategy, rank, spec.world_size, device)
-            model = _from_weights(spec.model_cfg, spec.mirror, device).train()
-            ref = _from_weights(spec.model_cfg, spec.ref, device).eval().requires_grad_(False) if spec.ref else None
-            model, ref = sharding.wrap(model, ref)
-            trainer = PolicyTrainer(model, spec.train, ref_model=ref, sharding=sharding, **spec.trainer_kw)
-            counter = CommCounter() if spec.count_comm else None
-            if counter:
-                counter.install(model)
+            me = Rank(rank, spec, device)
         except Exception:
             outbox.put((rank, False, traceback.format_exc(limit=4).strip().splitlines()[-1]))
             return
@@ -217,39 +225,7 @@ def _serve(rank: int, spec: _RankSpec, device: torch.device, inbox, outbox) -> N
             if command == "stop":
                 return
             try:
-                answer = _answer(command, payload, trainer, sharding, spec.mirror, rank)
-                if counter and command == "update":  # the update's collectives, then the weights' gather
-                    answer = answer | {f"comm_bytes/{k}": v for k, v in counter.take().items()}
-                outbox.put((rank, True, answer))
+                outbox.put((rank, True, None if command == "ready" else me.answer(command, payload)))
             except Exception:
                 outbox.put((rank, False, traceback.format_exc().strip().splitlines()[-1]))
                 return
-
-
-def _answer(command: str, payload, trainer, sharding, mirror: dict, rank: int):
-    if command == "ready":
-        return None
-    if command == "update":
-        with deterministic_algorithms():
-            metrics = trainer.update(payload)
-        full = sharding.full_params(trainer.model)  # every rank joins the all-gathers; rank 0 holds the result
-        with torch.no_grad():
-            for name, value in full.items():
-                mirror[name].copy_(value)
-        release_freed_memory()
-        return metrics
-    if command == "state_dict":
-        state = trainer.state_dict()
-        return state if rank == 0 else None
-    if command == "load_state_dict":
-        trainer.load_state_dict(payload)
-        return None
-    raise ValueError(f"unknown command {command!r}")
-
-
-def _from_weights(cfg, weights: dict[str, torch.Tensor], device: torch.device) -> Decoder:
-    model = Decoder(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name])
-    return model.to(device)

@@ -215,10 +215,17 @@ def _cloned(state):
     return state
 
 
+def init_group(backend: str, rank: int, world_size: int, addr: str | None = None, port: int | None = None) -> None:
+    """Join torch.distributed's default group: TCP rendezvous at rank 0's `addr`:`port`, or (None) at the
+    environment's MASTER_ADDR / MASTER_PORT with RANK / WORLD_SIZE (what torchrun sets)."""
+    init = f"tcp://{addr}:{port}" if port is not None else "env://"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
+
+
 @contextmanager
-def process_group(backend: str, rank: int, world_size: int, port: int):
-    """torch.distributed's default group for this rank (TCP rendezvous on this machine), destroyed on exit."""
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def process_group(backend: str, rank: int, world_size: int, addr: str | None = None, port: int | None = None):
+    """`init_group` for the block, the group destroyed on exit."""
+    init_group(backend, rank, world_size, addr, port)
     try:
         yield
     finally:
