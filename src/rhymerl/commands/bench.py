@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rhymerl.bench import (e2e_bench, engine_bench, history_bench, matmul_bench, pipe_bench, pipe_rhyming, spec_bench,
                            update_bench, workers_bench)
@@ -113,9 +114,14 @@ def cmd_bench_update(args) -> int:
     unknown = [s for s in setups if s not in update_bench.SETUPS]
     if unknown:
         raise UserError(f"--setups: unknown {unknown[0]!r}; expected some of {', '.join(update_bench.SETUPS)}")
-    return _report(update_bench, update_bench.run(args.model, args.dtype, args.prompts, args.generations,
-                                                  args.prompt_len, args.max_completion_length,
-                                                  args.micro_batch_size, args.steps, args.warmup, tuple(setups)))
+    summary = update_bench.run(args.model, args.dtype, args.prompts, args.generations, args.prompt_len,
+                               args.max_completion_length, args.micro_batch_size, args.steps, args.warmup,
+                               tuple(setups))
+    code = _report(update_bench, summary)
+    missed = update_bench.missed(summary) if args.check else []
+    for line in missed:
+        print(f"bench update --check: {line}", file=sys.stderr)
+    return 1 if missed else code
 
 
 def add_parser(sub) -> None:
@@ -302,4 +308,7 @@ def add_parser(sub) -> None:
     bu.add_argument("--warmup", type=int, default=1, help="untimed updates first")
     bu.add_argument("--setups", default=",".join(update_bench.SETUPS), help="comma-separated, of: "
                     + ", ".join(update_bench.SETUPS))
+    bu.add_argument("--check", action="store_true",
+                    help="exit 1 when a multi-rank setup's losses, grad norms or final weights differ from one "
+                         "process's by more than 1e-5 relative (needs the setup 'one'; fp32)")
     bu.set_defaults(func=cmd_bench_update)
