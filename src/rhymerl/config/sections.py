@@ -244,9 +244,10 @@ class TrainSection(_Section):
     max_num_gen_batches: int = _opt(10, "filter_groups: most rollouts of prompts_per_step prompts per step (verl's "
                                     "max_num_gen_batches); past it the step trains on the groups it has "
                                     "(0 = no limit)", check=">= 0")
-    # The update past one process (rl/ranks.py); the driver, rollout pool and history stay in the driver.
+    # The update past one process (rl/rank_groups.py); the driver, rollout pool and history stay in the driver.
     world_size: int = _opt(1, "ranks of the update (torch.distributed: gloo on a CPU, NCCL on CUDA); > 1 starts "
-                           "them as processes of this machine, micro-batches split among them", check=">= 1")
+                           "them as processes of this machine, as Ray actors with rollout.backend=ray, or takes "
+                           "torchrun's processes (then = their number); micro-batches split among them", check=">= 1")
     strategy: str = _opt("fsdp", "world_size > 1: fsdp = FSDP2 fully_shard per decoder layer (weights, gradients "
                          "and AdamW state sharded), ddp = a full replica per rank, gradients all-reduced",
                          ("fsdp", "ddp"))
