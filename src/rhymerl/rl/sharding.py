@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rhymerl.model.decoder import Decoder
@@ -118,10 +117,14 @@ class Sharding:
         out["tok"], out["tok0"] = int(out["tok"]), int(out["tok0"])
         return out | {"diff_max": top.item()}
 
-    @staticmethod
-    def norm(value: torch.Tensor) -> float:
-        """A gradient norm as a float: FSDP's is a DTensor over the shards' partial sums."""
-        return float(value.full_tensor() if isinstance(value, DTensor) else value)
+    def sum_squares(self, local: torch.Tensor) -> float:
+        """The gradient's sum of squares over ranks from this rank's (float64): FSDP's shards add up, DDP's
+        replicas hold the whole gradient already."""
+        if self.strategy == "ddp":
+            return float(local)
+        total = local.to(self.device, torch.float64).reshape(1)
+        dist.all_reduce(total)
+        return total.item()
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The policy's full parameters under Decoder names, on rank 0 (on a CPU); {} elsewhere. Every rank
