@@ -345,3 +345,22 @@ def test_config_choices_are_written_once_and_the_implementations_accept_each():
         pretrained.parse_dtype(name, "cpu")  # raises for a dtype the loader does not know
     for kind in config.LR_SCHEDULERS:
         lr_multiplier(3, 1, 10, kind)  # raises for a schedule the trainer does not know
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1e-3])
+def test_grad_norm_is_the_float64_norm_and_clips_as_clip_grad_norm(max_grad_norm):
+    """The reported norm is the exact (float64) norm of the whole gradient; clipping scales the gradient as
+    torch's `clip_grad_norm_` does (by max / (norm + 1e-6) when below 1, else not at all)."""
+    trainer = PolicyTrainer(tiny_decoder(), TrainSection(dtype="fp32", max_grad_norm=max_grad_norm), 1.0, 8)
+    g = torch.Generator().manual_seed(0)
+    for p in trainer.model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    grads = [p.grad.clone() for p in trainer.model.parameters()]
+    exact = math.sqrt(sum(float(x.double().square().sum()) for x in grads))
+    expected = copy.deepcopy(grads)
+    if max_grad_norm:
+        expected = [x * (max_grad_norm / (exact + 1e-6)) for x in grads]
+    assert trainer._clip() == pytest.approx(exact, rel=1e-12)
+    for p, want in zip(trainer.model.parameters(), expected):
+        assert torch.allclose(p.grad, want, rtol=1e-6, atol=0)
+    assert max_grad_norm == 0 or torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).norm() < 1.01e-3
