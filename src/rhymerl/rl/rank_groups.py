@@ -5,6 +5,8 @@ processes when this process is torchrun's rank 0 (`rl/torchrun.py`), Ray actors 
 
 from __future__ import annotations
 
+import sys
+
 from rhymerl.config import TrainSection
 from rhymerl.model.decoder import Decoder
 from rhymerl.rl import torchrun
@@ -12,7 +14,10 @@ from rhymerl.rl.ranks import RankDriver, RankGroup
 
 
 def rank_group(rollout_backend: str, model: Decoder, cfg: TrainSection, *args, **kw) -> RankDriver:
-    """The driver's side of `cfg.world_size` ranks; the other arguments are `RankGroup`'s."""
+    """The driver's side of `cfg.world_size` ranks (said on stderr); the other arguments are `RankGroup`'s."""
+    where = "torchrun's processes" if torchrun.launched() else "Ray actors" if rollout_backend == "ray" else \
+        "processes of this machine"
+    print(f"[update] {cfg.world_size} ranks ({cfg.strategy}) as {where}", file=sys.stderr)
     if torchrun.launched():
         return torchrun.TorchrunGroup(model, cfg, *args, **kw)
     if rollout_backend == "ray":
