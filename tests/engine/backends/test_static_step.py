@@ -7,7 +7,7 @@ import torch
 
 from rhymerl.engine.backends import CudaBackend, EagerBackend
 from rhymerl.engine.backends.op_trace import OpTrace
-from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets
+from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets, rope_table
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput, _ancestors
@@ -64,6 +64,19 @@ def test_decode_and_tree_steps_match_the_eager_backend(arch):
     for s, p, (_, n) in zip(slots, prompts, trees):
         torch.testing.assert_close(static.cache.kv[:, s, :, : len(p) + n], eager.cache.kv[:, s, :, : len(p) + n],
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_gathers_the_rope_it_would_compute_bit_for_bit(dtype):
+    """A fixed-shape step takes its tokens' rope from a table of every cache position (two kernels, not a
+    dozen): the very values `Decoder.qkv_rope` computes at those positions, whatever the step's size."""
+    model, _, static = runners("qwen3", dtype=dtype)
+    cos, sin = rope_table(model, static.cache)
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 7, 33, 104):
+        positions = torch.randint(0, static.cache.capacity, (n,), generator=g)
+        want = model.qkv_rope(positions, dtype)
+        assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
 
 
 def test_padding_leaves_every_other_cache_position_as_it_was():

@@ -95,13 +95,21 @@ class StaticShapes:
         return gathered, b, t, bucket_of(max(x.base for x in inputs) + t, self.keys)
 
 
+def rope_table(model: Decoder, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Decoder.qkv_rope` of every position of the cache, in its dtype: a step gathers its tokens' rows."""
+    return model.qkv_rope(torch.arange(cache.capacity, device=cache.kv.device), cache.kv.dtype)
+
+
 class StaticStep:
     """One (gathered, B, T, L) bucket: its buffers, `load` to fill them from a step's inputs, and `run()`,
     the forward over them with nothing but device work (no host synchronisation, no allocation that depends
     on the data)."""
 
-    def __init__(self, model: Decoder, cache: KVCache, gathered: bool, b: int, t: int, l: int):
+    def __init__(self, model: Decoder, cache: KVCache, gathered: bool, b: int, t: int, l: int,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.model, self.cache = model, cache
+        # the rope tables of every cache position (`rope_table`; a backend shares one between its buckets)
+        self.rope = rope if rope is not None else rope_table(model, cache)
         self.gathered, self.b, self.t, self.l = gathered, b, t, l
         self.shape = (gathered, b, t, l)
         device = cache.kv.device
@@ -183,7 +191,8 @@ class StaticStep:
         """The forward over the buffers -> logits: [B * T, vocab] by slot (padding rows included), [B, vocab]
         gathered (each row's last token)."""
         attention = _StaticAttention(self)
-        return self.model.forward_packed(self.tokens, self.positions, attention, self.last if self.gathered else None)
+        return self.model.forward_packed(self.tokens, self.positions, attention, self.last if self.gathered else None,
+                                         self.rope)
 
     def mask(self) -> torch.Tensor:
         """Additive mask [B, 1, G * T, L] in the cache's dtype: token (b, t) sees position l of its row when
@@ -199,8 +208,7 @@ class StaticStep:
         else:
             tree = self.anc.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, l))  # [B, T, L] anc[b, t, l - base]
         visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree)
-        additive = torch.zeros((b, t, l), dtype=self.cache.kv.dtype, device=rel.device)
-        additive.masked_fill_(~visible, float("-inf"))
+        additive = torch.where(visible, 0.0, float("-inf")).to(self.cache.kv.dtype)
         return additive[:, None].expand(b, g, t, l).reshape(b, 1, g * t, l)
 
 
