@@ -94,8 +94,8 @@ class CudaBackend(EagerBackend):
 
     def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
-        tokens) now, on a step of padding alone (which writes back every key and value it reads), so that no
-        later step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
+        tokens) now, on a step of padding alone (which changes no committed key or value), so that no later
+        step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
         once instead (what the CPU can check). Returns (buckets newly captured or run, seconds)."""
         if self.mode == "eager":
             return 0, 0.0
