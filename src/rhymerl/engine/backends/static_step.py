@@ -214,9 +214,9 @@ class StaticStep:
 
 class _StaticAttention:
     """`Decoder.forward_packed`'s attention backend for a `StaticStep`: write the step's keys/values (by slot
-    one index_put, padding to the cache's tail; gathered, padding writes back what was there), then SDPA over the rows' positions [0, L) with the step's mask. The G query
-    heads of a KV head are folded into the query axis ([B, KV, G * T, D]), so every kernel reads each KV head
-    once and none needs a grouped-query mode."""
+    one index_put, padding to the cache's tail; gathered, padding writes back what was there), then SDPA over
+    the rows' positions [0, L) with the step's mask. The G query heads of a KV head are folded into the query
+    axis ([B, KV, G * T, D]), so every kernel reads each KV head once and none needs a grouped-query mode."""
 
     def __init__(self, s: StaticStep):
         self.s = s
