@@ -74,10 +74,14 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
     depth, parent, token = np.array(depth_l), np.array(parent_l), np.array(token_l)
     meta = np.stack([np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(first, counts),  # logits row
                      np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth, parent, token])
+    # every row in order (a plain step's): no copy of the rows
+    every = meta.shape[1] == len(logits) and bool((meta[0] == np.arange(len(logits))).all())
     meta = torch.from_numpy(meta).to(logits.device)  # [5, R], one copy to the device
     rows, prefix, position, parent_t, token_t = meta
-    drawn, logprobs = sample_tensors(logits.index_select(0, rows), params, draw_keys(prefix, position))
-    reached = walk(drawn, parent_t, token_t, int(depth.max()))
+    drawn, logprobs = sample_tensors(logits if every else logits.index_select(0, rows), params,
+                                     draw_keys(prefix, position))
+    levels = int(depth.max())  # 0: no drafts, every row a root, which the walk reaches
+    reached = walk(drawn, parent_t, token_t, levels) if levels else torch.ones_like(drawn, dtype=torch.bool)
     t0 = time.perf_counter()
     out = torch.stack((drawn.double(), logprobs.double(), reached.double())).cpu().numpy()  # the one wait
     wait_s = time.perf_counter() - t0
