@@ -105,7 +105,9 @@ if [ ! -f "$model_dir/.complete" ]; then
 fi
 "$PY" -c 'import torch; print("[gpu_check]", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' >&2
 
-stage tests "${GPU_CHECK_TESTS_S:-100}" "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py
+# with the bf16 distribution test of HistoSpec's GPU verification (issue 34, item 5)
+stage tests "${GPU_CHECK_TESTS_S:-100}" "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
+  "tests/histospec/test_lossless.py::test_the_device_walk_follows_the_policy_distribution[cuda-bf16]"
 stage engine_qwen "${GPU_CHECK_ENGINE_S:-160}" "$PY" -m rhymerl.cli bench engine --model "${GPU_CHECK_ENGINE_MODEL:-qwen2.5-1.5b-random}" \
   --device "$DEVICE" --dtype bf16 --batches 1,32 --max-tokens 128 --hf-modes eager,compiled --hf-batches 1
 stage engine_smol "${GPU_CHECK_SMOL_S:-35}" "$PY" -m rhymerl.cli bench engine --device "$DEVICE" --dtype bf16 \

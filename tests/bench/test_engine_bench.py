@@ -21,8 +21,9 @@ from rhymerl.errors import UserError
 from tiny_models import byte_model_dir, tiny_decoder
 
 # a Llama layer's computing ops in the static step: 2 RMSNorms (2 each), 4 matmuls, rope (3), the K/V write
-# (gather, where, index_put), attention, SiLU x up (2), 2 residual adds
-LAUNCHES_PER_LLAMA_LAYER = 19
+# (one index_put: padding writes the cache's tail), attention, SiLU x up (2), 2 residual adds; a verification
+# step (T > 1) adds 2 copies, folding the query heads for attention and back
+LAUNCHES_PER_LLAMA_LAYER = 17
 OURS = ("prompts", "ours_tokens", "ours_s", "ours_tok_s", "ours_forwards", "ours_forward_ms", "bound_tok_s",
         "ours_of_bound")
 
@@ -169,6 +170,8 @@ def test_kernels_per_step_counts_the_static_steps_computing_ops():
     model = tiny_decoder("llama")
     engine = Engine(model, None, num_slots=8, max_model_len=32, eos_token_ids=[0])
     two_layers = [engine_bench.kernels_per_step(engine, rows) for rows in (1, 8)]
+    verify = engine_bench.kernels_per_step(engine, 8, engine_bench.VERIFY_TOKENS)
     model.layers = model.layers[:1]
     one_layer = engine_bench.kernels_per_step(engine, 8)
     assert two_layers[0] == two_layers[1] and two_layers[0] - one_layer == LAUNCHES_PER_LLAMA_LAYER
+    assert verify - engine_bench.kernels_per_step(engine, 8, engine_bench.VERIFY_TOKENS) == LAUNCHES_PER_LLAMA_LAYER + 2

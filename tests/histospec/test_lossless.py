@@ -19,6 +19,7 @@ import importlib
 import pytest
 import torch
 
+from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histospec.drafter import Draft
@@ -28,6 +29,7 @@ from tiny_models import VOCAB, random_prompts, tiny_decoder
 
 engine_mod = importlib.import_module("rhymerl.engine.engine")
 verify_mod = importlib.import_module("rhymerl.histospec.verify")  # the package re-exports a function `verify`
+device_mod = importlib.import_module("rhymerl.engine.device_verification")
 
 
 
@@ -56,9 +58,25 @@ def _row_off_verify(real):
     return verify
 
 
+def _first_child_walk(drawn, parent, token, levels):
+    """Broken, the device walk's way (`device_verification.walk`): a node whose parent drew ANY child's token
+    counts as reached when it is that parent's FIRST child."""
+    rows = torch.arange(len(parent), device=parent.device)
+    is_root = parent == rows
+    sibling = (parent[:, None] == parent[None, :]) & ~is_root[:, None] & ~is_root[None, :]  # [R, R]
+    any_child = (sibling & (drawn.gather(0, parent)[:, None] == token[None, :])).any(1)
+    first = ~(sibling & (rows[None, :] < rows[:, None])).any(1)  # no sibling before it
+    reached = is_root
+    for _ in range(levels):
+        reached = is_root | (reached.gather(0, parent) & any_child & first)
+    return reached
+
+
 def apply_mutant(monkeypatch, mutant: str | None) -> None:
     if mutant == "first_child":
         monkeypatch.setattr(verify_mod, "accept", _first_child_accept)
+    elif mutant == "first_child_device":
+        monkeypatch.setattr(device_mod, "walk", _first_child_walk)
     elif mutant == "row_off":
         monkeypatch.setattr(engine_mod, "verify", _row_off_verify(verify_mod.verify))
     else:
@@ -82,15 +100,18 @@ def chi2_fails(counts: torch.Tensor, p: torch.Tensor) -> tuple[bool, float, int]
 
 def softmax_after(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return torch.softmax(model(torch.tensor([ids]))[0, -1].double(), -1)
+        logits = model(torch.tensor([ids], device=next(model.parameters()).device))[0, -1]
+        return torch.softmax(logits.double(), -1).cpu()
 
 
-def sample_verified(model, mutant, monkeypatch, n: int):
+def sample_verified(model, mutant, monkeypatch, n: int, static: bool = False):
     """`n` requests (distinct ids) on a fixed prompt, T=1, up to 4 tokens; every request whose first token (drawn
     in the prefill, unverified) is the most likely t0 is verified at output position 1 against a FIXED tree:
     root children [c1, c2, c3] (c2 the most likely, listed second) and c2's children [d1, d2].
     Returns the model's distributions, the drawn tokens at positions 1 (given t0) and 2 (given t0, c2), and
-    the engine."""
+    the engine. `static`: on a CPU, the engine runs the CUDA backend's fixed-shape steps eagerly and verifies
+    as a GPU does (`device_verification`: every node drawn in one call, the walk in tensor ops); on a GPU it
+    does so anyway."""
     prompt = random_prompts(1, seed=64)[0]
     p0 = softmax_after(model, prompt)
     t0 = int(p0.argmax())
@@ -106,6 +127,8 @@ def sample_verified(model, mutant, monkeypatch, n: int):
     eos = set(range(VOCAB)) - {t0, c2}
     eng = Engine(model, num_slots=64, max_model_len=32, eos_token_ids=eos, 
                  speculator=speculator("histospec", HistoryStore(), max_draft_tokens=4))
+    if static:
+        eng.runner.backend = CudaBackend(model, eng.cache, "static")
 
     def fixed(seqs, rooms, *a, **kw):
         for s in seqs:  # the speculator's state of a sequence (a group of its own: no sibling index to grow)
@@ -166,6 +189,37 @@ def test_the_distribution_test_catches_broken_verifiers(mutant, monkeypatch):
     row, is still right)."""
     model = sharpened(4.0)
     p1, p2, first, second, _ = sample_verified(model, mutant, monkeypatch, n=1000)
+    assert not chi2_fails(torch.bincount(first, minlength=VOCAB).double(), p1)[0]
+    assert chi2_fails(torch.bincount(second, minlength=VOCAB).double(), p2)[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-bf16", "cuda-bf16"])
+def test_the_device_walk_follows_the_policy_distribution(device, monkeypatch):
+    """The same chi-square through the GPU's verification (`device_verification`: every node drawn in one
+    call, the acceptance walk in tensor ops, the steps in fixed shapes): in bf16 on a GPU (CUDA graphs;
+    scripts/gpu_check.sh runs this) the verification forward rounds unlike a plain one, so tokens may differ
+    from plain decoding's, but their distribution must be the policy's. On a CPU the CUDA backend's steps
+    run eagerly, in bf16 too (whose tree forward rounds unlike its one-token forward as well): the same walk,
+    exercised wherever the tests run."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = sharpened(4.0, torch.bfloat16).to(device)
+    walks = []
+    real_walk = device_mod.walk
+    monkeypatch.setattr(device_mod, "walk", lambda *a: walks.append(1) or real_walk(*a))
+    p1, p2, first, second, eng = sample_verified(model, None, monkeypatch, n=3000, static=device == "cpu")
+    assert isinstance(eng.runner.backend, CudaBackend) and eng.runner.backend.mode != "eager" and walks
+    assert len(first) > 1200 and len(second) > 500
+    for drawn, p in ((first, p1), (second, p2)):
+        fails, chi2, dof = chi2_fails(torch.bincount(drawn, minlength=VOCAB).double(), p)
+        assert not fails, (chi2, dof)
+
+
+def test_the_distribution_test_catches_a_broken_device_walk(monkeypatch):
+    """A device walk that goes on from the first child fails the conditional chi-square, as the host walk's
+    mutant does."""
+    model = sharpened(4.0)
+    p1, p2, first, second, _ = sample_verified(model, "first_child_device", monkeypatch, n=1000, static=True)
     assert not chi2_fails(torch.bincount(first, minlength=VOCAB).double(), p1)[0]
     assert chi2_fails(torch.bincount(second, minlength=VOCAB).double(), p2)[0]
 

@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from rhymerl.engine.device_verification import verify_on_device
-from rhymerl.engine.sampler import draw_keys, sample
+from rhymerl.engine.backends.op_trace import OpTrace
+from rhymerl.engine.device_verification import verify_on_device, walk
+from rhymerl.engine.sampler import draw_keys, sample, sample_tensors
 from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
 from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.verify import verify
@@ -72,3 +73,39 @@ def test_a_fork_in_a_draft_is_refused_not_guessed():
     logits[:, 2] = 10.0  # every draw is token 2
     fork = Draft(tokens=[2, 2], parents=[-1, -1])
     assert verify_on_device([fork], logits, [0], [draw_prefix(0, 1)], [0], SamplingParams(temperature=0))[0] is None
+
+
+# ops that read a device value on the host (a synchronisation, which a CUDA graph forbids) or whose output
+# shape depends on the data (tests/engine/backends/test_static_step.py checks the forward for the same)
+HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist", "repeat_interleave")
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=0.6, top_k=3, top_p=0.9, seed=4)])
+def test_the_keyed_draws_and_the_walk_are_device_work_alone(params):
+    """What lets the draws and the walk sit in a CUDA graph, checked on the CPU: keys, draws and the walk over
+    rows of any content run the same ops on the same shapes, none reading a value back to the host; and a
+    walk of more rounds than the trees are deep (a fixed shape's bound) reaches the same rows."""
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    traces = []
+    for trial in range(2):
+        drafts = [random_draft(rng) for _ in range(4)]
+        counts = [1 + len(d.tokens) for d in drafts]
+        first = [sum(counts[:i]) for i in range(len(drafts))]
+        parent = torch.tensor([f + 1 + p if p >= 0 else f  # a root's parent: itself
+                               for f, d in zip(first, drafts) for p in [-1] + d.parents])
+        token = torch.tensor([t for d in drafts for t in [-1] + d.tokens])
+        padded = 64 - len(parent)  # one fixed shape for both trials: padding rows are roots of their own
+        parent = torch.cat((parent, torch.arange(len(parent), 64)))
+        token = torch.cat((token, torch.full((padded,), -1)))
+        logits = torch.randn(64, VOCAB, generator=gen) * 3
+        prefixes = torch.randint(-(1 << 62), 1 << 62, (64,), generator=gen)
+        positions = torch.randint(0, 100, (64,), generator=gen)
+        with OpTrace() as trace:
+            drawn, _ = sample_tensors(logits, params, draw_keys(prefixes, positions))
+            reached = walk(drawn, parent, token, 12)
+        traces.append([(op, shapes) for op, shapes, _ in trace.ops])
+        depth = max([max(d.depths(), default=0) for d in drafts])
+        assert torch.equal(reached, walk(drawn, parent, token, depth))
+    assert traces[0] == traces[1]
+    assert not [op for op, _ in traces[0] if any(name in op for name in HOST_READS)]

@@ -9,7 +9,8 @@ eager mode is slow). Our engine runs the prompts through `b` slots with continuo
 captures a graph for every step shape first (`capture_s`, apart from the timed run).
 
 Beside the rates: where a step's time goes (`step_fields`), and `kernels_per_step`, what a plain decode step
-launches in the static step a CUDA graph replays, counted from its op trace (`op_trace`) on any device.
+launches in the static step a CUDA graph replays, counted from its op trace (`op_trace`) on any device, and
+`kernels_per_verify_step`, a HistoSpec verification step's (trees of `VERIFY_TOKENS` tokens) at the same rows.
 
 The bound: a decoding forward reads every weight once, so it cannot take less than weight bytes / memory
 bandwidth (the bandwidth measured here, by a large copy on the device). At batch b that caps throughput at
@@ -30,8 +31,9 @@ from rhymerl.bench.hf_generate import error_text, hf_generate, mode_keys, parse_
 from rhymerl.bench.progress import Progress
 from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.backends.op_trace import OpTrace
-from rhymerl.engine.backends.static_step import StaticShapes, StaticStep, bucket_of
+from rhymerl.engine.backends.static_step import MIN_KEYS, StaticShapes, StaticStep, bucket_of
 from rhymerl.engine.engine import Engine
+from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
@@ -41,6 +43,7 @@ from rhymerl.tasks.arithmetic import make_problems, prompt_text
 DEFAULT_PROMPTS = {1: 8, 8: 32, 32: 128, 128: 512}
 DEFAULT_BATCHES = {"cpu": (1, 8, 32), "cuda": (1, 8, 32, 128)}
 HF_BATCHES = 2  # transformers' side: at most this many batches per batch size (`run`)
+VERIFY_TOKENS = 8  # `kernels_per_verify_step`: a verification step's trees, a token and 7 drafts (a bucket)
 
 
 def default_batches(device: str | torch.device) -> list[int]:
@@ -106,12 +109,18 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, capture
 
 
-def kernels_per_step(engine: Engine, rows: int) -> int:
+def kernels_per_step(engine: Engine, rows: int, tokens: int = 1) -> int:
     """Kernels a plain decode step of `rows` slots launches in the static step a CUDA graph replays: the
     computing aten ops of its op trace (`op_trace`), countable on any device. Run on a step of padding alone,
-    which leaves the cache as it was."""
-    shapes = StaticShapes(engine.cache)
-    step = StaticStep(engine.runner.model, engine.cache, False, bucket_of(rows, shapes.rows), 1, shapes.keys[0])
+    which changes no committed key or value. `tokens` > 1: a HistoSpec verification step's, each row a tree
+    of that many tokens, on a small cache of its own with room for their drafts."""
+    cache, model = engine.cache, engine.runner.model
+    if tokens > 1:
+        c = model.cfg
+        cache = KVCache(c.num_layers, cache.kv.shape[1], MIN_KEYS, c.num_kv_heads, c.head_dim, cache.kv.dtype,
+                        cache.kv.device, tokens - 1)
+    shapes = StaticShapes(cache)
+    step = StaticStep(model, cache, False, bucket_of(rows, shapes.rows), tokens, shapes.keys[0])
     step.load([], [])
     with torch.inference_mode(), OpTrace() as trace:
         step.run()
@@ -205,7 +214,8 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
                "ours_forwards": engine.stats.forward_passes,
                "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
                "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3),
-               **step_fields(engine, capture), "kernels_per_step": kernels_per_step(engine, b)}
+               **step_fields(engine, capture), "kernels_per_step": kernels_per_step(engine, b),
+               "kernels_per_verify_step": kernels_per_step(engine, b, VERIFY_TOKENS)}
         hf_prompts = prompts[: hf_batches * b]
         if hf_modes:
             row["hf_prompts"] = len(hf_prompts)
@@ -250,7 +260,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   f"(measured) = {summary['bound_forward_ms']} ms per forward")
     t = Table(title=title)
     modes = summary.get("hf_modes", ["eager"])
-    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "kernels/step"]
+    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "kernels/step", "kernels/verify"]
     for mode in modes:
         cols += [f"hf {mode} tok/s", f"vs {mode}"]
     for col in cols + ["bound tok/s", "% of bound"]:
@@ -258,7 +268,8 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     errors = []
     for b, r in summary["batches"].items():
         cells = [b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_tok_s"]), str(r.get("ours_step_ms", "-")),
-                 str(r.get("ours_forward_ms", "-")), str(r.get("ours_host_ms", "-")), str(r.get("kernels_per_step", "-"))]
+                 str(r.get("ours_forward_ms", "-")), str(r.get("ours_host_ms", "-")),
+                 str(r.get("kernels_per_step", "-")), str(r.get("kernels_per_verify_step", "-"))]
         for mode in modes:
             prefix, speedup_key = mode_keys(mode)
             if f"{prefix}_error" in r:

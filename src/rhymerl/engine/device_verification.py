@@ -35,6 +35,21 @@ def time_draws(vocab: int, device, seqs: int, nodes: int) -> float:
     return time.perf_counter() - t0
 
 
+def walk(drawn: torch.Tensor, parent: torch.Tensor, token: torch.Tensor, levels: int) -> torch.Tensor:
+    """The acceptance rule (`histospec.verify.accept`) over every drawn row at once, in tensor ops alone (no
+    read back to the host, shapes fixed by the inputs': what a CUDA graph can hold). drawn, parent, token: [R]
+    per row, its drawn token, the row of its parent (a root: itself), its draft token. Returns [R] bool, the
+    rows the walk reaches: a root, or a node whose parent is reached and drew this node's token. `levels`: at
+    least the deepest node's depth (one tree level a round; more rounds change nothing, so a fixed shape's
+    bound, its tokens less one, will do)."""
+    is_root = parent == torch.arange(len(parent), device=parent.device)
+    match = drawn.gather(0, parent) == token  # the parent's draw is this node's token
+    reached = is_root
+    for _ in range(levels):  # ancestors' reach flows down to the leaves
+        reached = is_root | (reached.gather(0, parent) & match)
+    return reached
+
+
 def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int], prefixes: list[int],
                      offsets: list[int], params: SamplingParams) -> tuple[list[Verified] | None, float]:
     """Every sequence's draft verified at once. `logits` [N, V]: sequence i's last committed token at row
@@ -59,14 +74,14 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
     depth, parent, token = np.array(depth_l), np.array(parent_l), np.array(token_l)
     meta = np.stack([np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(first, counts),  # logits row
                      np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth, parent, token])
+    # every row in order (a plain step's): no copy of the rows
+    every = meta.shape[1] == len(logits) and bool((meta[0] == np.arange(len(logits))).all())
     meta = torch.from_numpy(meta).to(logits.device)  # [5, R], one copy to the device
     rows, prefix, position, parent_t, token_t = meta
-    drawn, logprobs = sample_tensors(logits.index_select(0, rows), params, draw_keys(prefix, position))
-    is_root = parent_t == torch.arange(len(parent), device=logits.device)
-    match = drawn.gather(0, parent_t) == token_t  # the parent's draw is this node's token
-    reached = is_root
-    for _ in range(int(depth.max())):  # one tree level a round: ancestors' reach flows down to the leaves
-        reached = is_root | (reached.gather(0, parent_t) & match)
+    drawn, logprobs = sample_tensors(logits if every else logits.index_select(0, rows), params,
+                                     draw_keys(prefix, position))
+    levels = int(depth.max())  # 0: no drafts, every row a root, which the walk reaches
+    reached = walk(drawn, parent_t, token_t, levels) if levels else torch.ones_like(drawn, dtype=torch.bool)
     t0 = time.perf_counter()
     out = torch.stack((drawn.double(), logprobs.double(), reached.double())).cpu().numpy()  # the one wait
     wait_s = time.perf_counter() - t0

@@ -20,6 +20,7 @@ before top-k/top-p: the convention of verl and TRL, whose trainers recompute it 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -55,12 +56,33 @@ def keyed_uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """keys [R] int64 (draw keys), columns [R, C] or [C] int64 -> [R, C] fp64 uniforms in (0, 1): splitmix64
     of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64 (tests/test_engine.py
     checks it bit for bit against plain-Python uint64 arithmetic)."""
-    x = _mix(keys[:, None] + (columns + 1) * _GOLDEN)
-    return (_shr(x, 11).double() + 0.5) * (1.0 / (1 << 53))
+    return _uniforms(keys[:, None] + (columns + 1) * _GOLDEN)
 
 
-def _gumbel(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(keyed_uniforms(keys, columns)))
+def _uniforms(x: torch.Tensor) -> torch.Tensor:
+    """`keyed_uniforms` from key + (column + 1) * golden, computed by the caller."""
+    return (_shr(_mix(x), 11).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def _negated_gumbel(x: torch.Tensor) -> torch.Tensor:
+    """log(-log(u)) = -Gumbel for the uniforms `_uniforms(x)`: a score adds the noise by subtracting this
+    (b - a is b + (-a) in floating point: the same bits, one kernel fewer)."""
+    return torch.log(-torch.log(_uniforms(x)))
+
+
+_BLOCK_GOLDEN = (BLOCK * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # BLOCK * golden, wrapped to int64
+
+
+@functools.lru_cache(maxsize=32)
+def _column_terms(blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draw-independent parts of the noise's hash inputs, made once per vocabulary and device: block j's
+    (j + 1) * golden [blocks], the offsets 0..BLOCK-1 inside a block, and offset i's token-stream term
+    (i + _TOKEN_SALT + 1) * golden [BLOCK]. Column b * BLOCK + i of the token stream then hashes
+    key + b * BLOCK * golden + that term: (column + _TOKEN_SALT + 1) * golden, as int64 arithmetic wraps."""
+    with torch.inference_mode(False), torch.no_grad():
+        offsets = torch.arange(BLOCK, device=device)
+        return ((torch.arange(blocks, device=device) + 1) * _GOLDEN, offsets,
+                (offsets + _TOKEN_SALT + 1) * _GOLDEN)
 
 
 def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -92,12 +114,13 @@ def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Te
     v = probs.shape[1]
     if block_mass is None:
         block_mass = _block_mass(probs)
-    block_ids = torch.arange(block_mass.shape[1], device=probs.device)
-    b = (block_mass.double().log() + _gumbel(keys, block_ids)).argmax(-1)  # [R]
-    cols = b[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)  # [R, 256] vocabulary ids
+    block_terms, offsets, token_terms = _column_terms(block_mass.shape[1], probs.device)
+    b = (block_mass.double().log() - _negated_gumbel(keys[:, None] + block_terms)).argmax(-1)  # [R]
+    cols = b[:, None] * BLOCK + offsets  # [R, 256] vocabulary ids
     # the chosen block's columns; past the vocabulary's end (a short last block) probability 0
     inner = probs.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)  # [R, 256]
-    c = (inner.log() + _gumbel(keys, cols + _TOKEN_SALT)).argmax(-1)  # log 0 = -inf: never chosen
+    token_x = (keys + b * _BLOCK_GOLDEN)[:, None] + token_terms  # key + (column + _TOKEN_SALT + 1) * golden
+    c = (inner.log() - _negated_gumbel(token_x)).argmax(-1)  # log 0 = -inf: never chosen
     return (b * BLOCK + c)[:, None]
 
 
@@ -150,14 +173,14 @@ def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Ten
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
     # whose sum is the normaliser) where log_softmax + exp + sums take seven.
     inv_t = 1.0 / params.temperature
-    top = logits.amax(-1, keepdim=True)  # [R, 1]
+    neg_top = logits.amax(-1, keepdim=True) * -inv_t  # [R, 1]
     # (logits - top) / T, i.e. z - max(z) for z = logits / T, in one pass (0 at the maximum). The floor
     # keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300); it adds
     # at most 49152 * e^-80 < 1e-30 of relative mass.
-    probs = torch.add(top * -inv_t, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
+    probs = torch.add(neg_top, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
     mass = _block_mass(probs)  # [R, nb]
     log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
     kept = filtered_probs(probs, params)
     tokens = sample_columns(kept, keys, mass if kept is probs else None)  # [R, 1]
-    shifted = torch.add(top * -inv_t, logits.gather(-1, tokens), alpha=inv_t)  # the same arithmetic as above
+    shifted = torch.add(neg_top, logits.gather(-1, tokens), alpha=inv_t)  # the same arithmetic as above
     return tokens[:, 0], (shifted - log_norm)[:, 0]

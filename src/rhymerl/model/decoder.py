@@ -175,16 +175,25 @@ class Decoder(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def qkv_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope tables a layer applies at these positions: `qkv_rope_tables`, [N, H + 2KV, D] each."""
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        return qkv_rope_tables(cos, sin, self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_kv_heads)
+
     def forward_packed(
         self,
         tokens: torch.Tensor,  # [N] token ids of every sequence in the step, packed
         positions: torch.Tensor,  # [N] rope position of each token
         backend: AttentionBackend,
         logit_rows: torch.Tensor | None = None,  # [R] which of the N tokens need logits (None: all)
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # `qkv_rope` of positions [0, P), made once
     ) -> torch.Tensor:  # [R, vocab] (or [N, vocab])
         x = self.embed_tokens(tokens)
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
-        cos, sin = qkv_rope_tables(cos, sin, self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_kv_heads)
+        if rope is None:
+            cos, sin = self.qkv_rope(positions, x.dtype)
+        else:  # a fixed-shape step's: its rows of a table made once, two kernels instead of a dozen (the same
+            # values: each entry is the same elementwise function of its position)
+            cos, sin = rope[0].index_select(0, positions), rope[1].index_select(0, positions)
         for layer in self.layers:
             x = layer(x, cos, sin, backend)
         if logit_rows is not None:

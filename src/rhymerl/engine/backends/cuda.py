@@ -28,7 +28,7 @@ import torch
 
 from rhymerl.engine.backends.base import Step
 from rhymerl.engine.backends.eager import EagerBackend
-from rhymerl.engine.backends.static_step import StaticShapes, StaticStep
+from rhymerl.engine.backends.static_step import StaticShapes, StaticStep, rope_table
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
 
@@ -60,6 +60,7 @@ class CudaBackend(EagerBackend):
         super().__init__(model, cache)
         self.mode = mode
         self.shapes = StaticShapes(cache)
+        self.rope = rope_table(model, cache)  # every bucket's steps gather their rope rows from it
         self.buckets: dict[tuple[bool, int, int, int], _Graph] = {}
         self.pool = None  # one memory pool for every graph: they never run at the same time
         self.captured = self.replays = self.eager_parts = 0
@@ -93,8 +94,8 @@ class CudaBackend(EagerBackend):
 
     def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
-        tokens) now, on a step of padding alone (which writes back every key and value it reads), so that no
-        later step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
+        tokens) now, on a step of padding alone (which changes no committed key or value), so that no later
+        step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
         once instead (what the CPU can check). Returns (buckets newly captured or run, seconds)."""
         if self.mode == "eager":
             return 0, 0.0
@@ -102,7 +103,7 @@ class CudaBackend(EagerBackend):
         for shape in self.shapes.every(longest_chain):
             bucket = self.buckets.get(shape)
             if bucket is None:
-                bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape))
+                bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape, self.rope))
             elif bucket.graph is not None or bucket.failed or self.mode == "static":
                 continue
             bucket.step.load([], [])
@@ -127,7 +128,7 @@ class CudaBackend(EagerBackend):
             return super().forward(step if whole else _sub_step(inputs, trees, self.device))
         bucket = self.buckets.get(shape)
         if bucket is None:
-            bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape))
+            bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape, self.rope))
         index = bucket.step.load(inputs, trees)
         return self._replay(bucket).index_select(0, torch.from_numpy(index).to(self.device))
 

@@ -11,12 +11,15 @@ buffers that are filled before the replay (`StaticStep.load`), and every shape i
 - Prefill chunks (long chains, few rows) are gathered: row r holds the r-th input, whose slot is in a buffer;
   attention copies those rows' keys and values, and logits are computed for each row's last token only.
 
-Padding computes on whatever the buffers hold and must never change what a sequence sees. Its keys and
-values are written back as they were (`torch.where(valid, new, old)` before the write, so the write touches
-nothing it should not, whichever slot or position a padding token lands on: no two tokens of a step share a
-(slot, position)), its queries see at least one key (no 0/0 softmax), and its logits are never returned.
-Real tokens see exactly what the eager backend's `CachedAttention` gives them: the slot's committed prefix
-and their own ancestors.
+Padding computes on whatever the buffers hold and must never change what a sequence sees. By slot (trees,
+T <= 1 + scratch), padding token t of a row writes its keys and values to position capacity - T + t of the
+row's slot, the cache's tail [max_len - 1, capacity), where no committed token lives (a sequence stops at
+max_len tokens and its last token is never fed) and no real token of the row writes (real token j writes
+base + j with j below the row's padding tokens and base < max_len): one index_put a layer, no read of the old
+values. Gathered (prefill chains, T up to the capacity), padding writes back what was there instead
+(`torch.where(valid, new, old)` before the write). No two tokens of a step share a (slot, position); padding
+queries see at least one key (no 0/0 softmax), and their logits are never returned. Real tokens see exactly
+what the eager backend's `CachedAttention` gives them: the slot's committed prefix and their own ancestors.
 
 Nothing here is specific to CUDA: on a CPU the same step runs eagerly, and the tests compare it with the
 eager backend there (tests/engine/backends/test_static_step.py). The graphs themselves are `cuda.py`'s.
@@ -92,13 +95,21 @@ class StaticShapes:
         return gathered, b, t, bucket_of(max(x.base for x in inputs) + t, self.keys)
 
 
+def rope_table(model: Decoder, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Decoder.qkv_rope` of every position of the cache, in its dtype: a step gathers its tokens' rows."""
+    return model.qkv_rope(torch.arange(cache.capacity, device=cache.kv.device), cache.kv.dtype)
+
+
 class StaticStep:
     """One (gathered, B, T, L) bucket: its buffers, `load` to fill them from a step's inputs, and `run()`,
     the forward over them with nothing but device work (no host synchronisation, no allocation that depends
     on the data)."""
 
-    def __init__(self, model: Decoder, cache: KVCache, gathered: bool, b: int, t: int, l: int):
+    def __init__(self, model: Decoder, cache: KVCache, gathered: bool, b: int, t: int, l: int,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.model, self.cache = model, cache
+        # the rope tables of every cache position (`rope_table`; a backend shares one between its buckets)
+        self.rope = rope if rope is not None else rope_table(model, cache)
         self.gathered, self.b, self.t, self.l = gathered, b, t, l
         self.shape = (gathered, b, t, l)
         device = cache.kv.device
@@ -120,8 +131,8 @@ class StaticStep:
     def load(self, inputs: list, trees: list) -> np.ndarray:
         """Fill the buffers from a step's inputs (SlotInputs) and their trees (`Step.trees`); returns the
         index of each of their logit rows (tokens[logits_from:] of each input, in order) in `run()`'s output.
-        No inputs: a step of padding alone, which writes back every key and value it reads (`cuda.py`
-        captures every bucket on one before a timed run)."""
+        No inputs: a step of padding alone, which changes no committed key or value (`cuda.py` captures every
+        bucket on one before a timed run)."""
         b, t, n = self.b, self.t, self.b * self.t
         ints, bools = self._host_ints, self._host_bools
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
@@ -131,9 +142,10 @@ class StaticStep:
         bools[:] = False
         if anc is not None:
             anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
+        tail = self.cache.capacity - t + np.arange(t)  # by slot: where padding tokens write (module docstring)
         if not inputs:
             slots[:] = np.arange(b)
-            write_pos[:] = positions[:] = np.arange(t)
+            write_pos[:] = positions[:] = np.arange(t) if self.gathered else tail
             token_slots[:] = slots[:, None]
             self.ints.copy_(torch.from_numpy(ints))
             self.bools.copy_(torch.from_numpy(bools))
@@ -162,6 +174,8 @@ class StaticStep:
                 anc[r, :k, :k] = ancestors
         last[rows] = rows * t + ks - 1
         write_pos[:] = base[:, None] + np.arange(t)  # a padding row: base 0, positions [0, T)
+        if not self.gathered:
+            write_pos[:] = np.where(valid, write_pos, tail)
         token_slots[:] = slots[:, None]
         if self.gathered:
             index = rows
@@ -177,7 +191,8 @@ class StaticStep:
         """The forward over the buffers -> logits: [B * T, vocab] by slot (padding rows included), [B, vocab]
         gathered (each row's last token)."""
         attention = _StaticAttention(self)
-        return self.model.forward_packed(self.tokens, self.positions, attention, self.last if self.gathered else None)
+        return self.model.forward_packed(self.tokens, self.positions, attention, self.last if self.gathered else None,
+                                         self.rope)
 
     def mask(self) -> torch.Tensor:
         """Additive mask [B, 1, G * T, L] in the cache's dtype: token (b, t) sees position l of its row when
@@ -193,16 +208,15 @@ class StaticStep:
         else:
             tree = self.anc.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, l))  # [B, T, L] anc[b, t, l - base]
         visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree)
-        additive = torch.zeros((b, t, l), dtype=self.cache.kv.dtype, device=rel.device)
-        additive.masked_fill_(~visible, float("-inf"))
+        additive = torch.where(visible, 0.0, float("-inf")).to(self.cache.kv.dtype)
         return additive[:, None].expand(b, g, t, l).reshape(b, 1, g * t, l)
 
 
 class _StaticAttention:
-    """`Decoder.forward_packed`'s attention backend for a `StaticStep`: write the step's keys/values (padding
-    writes back what was there), then SDPA over the rows' positions [0, L) with the step's mask. The G query
-    heads of a KV head are folded into the query axis ([B, KV, G * T, D]), so every kernel reads each KV head
-    once and none needs a grouped-query mode."""
+    """`Decoder.forward_packed`'s attention backend for a `StaticStep`: write the step's keys/values (by slot
+    one index_put, padding to the cache's tail; gathered, padding writes back what was there), then SDPA over
+    the rows' positions [0, L) with the step's mask. The G query heads of a KV head are folded into the query
+    axis ([B, KV, G * T, D]), so every kernel reads each KV head once and none needs a grouped-query mode."""
 
     def __init__(self, s: StaticStep):
         self.s = s
@@ -212,8 +226,10 @@ class _StaticAttention:
         """q: [N, H, D], kv: [N, 2KV, D] for the N = B * T tokens -> [N, H, D]."""
         s = self.s
         cache = s.cache.kv[layer]  # [slots, 2KV, capacity, D]
-        old = cache[s.token_slots, :, s.write_pos]  # [N, 2KV, D]
-        cache[s.token_slots, :, s.write_pos] = torch.where(s.valid[:, None, None], kv, old)
+        if s.gathered:
+            old = cache[s.token_slots, :, s.write_pos]  # [N, 2KV, D]
+            kv = torch.where(s.valid[:, None, None], kv, old)
+        cache[s.token_slots, :, s.write_pos] = kv
         n_kv = s.cache.num_kv_heads
         n, h, d = q.shape
         g = h // n_kv
