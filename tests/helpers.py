@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rhymerl.config import RolloutSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
@@ -13,6 +14,7 @@ from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.metrics import read_metrics
 from rhymerl.rl.logprobs import Sample
+from rhymerl.rollout.worker import WorkerConfig
 from tiny_models import VOCAB, random_prompts
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
@@ -32,6 +34,12 @@ def speculator(spec="histospec", history=None, cost=FLAT, max_draft_tokens=8, ru
     if spec == "off":
         return None
     return Speculator(cost, history, rule, max_draft_tokens, reward_weighted=reward_aware)
+
+
+def worker_config(max_model_len: int = 64, **rollout) -> WorkerConfig:
+    """A tiny test's `WorkerConfig`: the rollout section with the keys `rollout` gives (fp32 unless given: the
+    section leaves the dtype to the machine) and a context of `max_model_len` tokens."""
+    return WorkerConfig(RolloutSection(**{"dtype": "fp32", **rollout}), max_model_len)
 
 
 def history_of(model, prompts, params, n_gen=3):

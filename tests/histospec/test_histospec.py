@@ -13,8 +13,7 @@ from rhymerl.histospec.drafter import Draft
 from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS, Speculator
 from rhymerl.histospec.verify import verify
 from rhymerl.history import HistoryStore
-from rhymerl.rollout.worker import WorkerConfig
-from helpers import FLAT, history_of, peaky, speculator
+from helpers import FLAT, history_of, peaky, speculator, worker_config
 from suffix_index_check import check_suffix_index
 from tiny_models import VOCAB, random_prompts, tiny_decoder
 
@@ -235,8 +234,8 @@ def test_measured_cost_model_and_bad_mode(model):
     reused = Engine(model, num_slots=4, max_model_len=96, speculator=speculator(cost=cost))
     assert reused.speculator.cost is cost and reused.speculator.correct_cost
     assert not engine(model, "histospec").speculator.correct_cost
-    with pytest.raises(ValueError, match="speculative"):  # the worker builds the engine's speculator by mode
-        WorkerConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="rollout.speculative: must be one of"):  # the worker builds it by mode
+        worker_config(speculative="medusa")
 
 
 def test_cost_ceiling_is_the_perfect_drafters_speedup():

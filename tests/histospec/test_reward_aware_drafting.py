@@ -1,6 +1,8 @@
 """rollout.reward_aware_drafting: the config key reaches the drafter, reorders drafts where rewards differ,
 and leaves the tokens as they are."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -57,11 +59,10 @@ def test_equal_rewards_change_nothing(model):
 def test_the_config_key_reaches_the_drafter(model):
     assert load_config().rollout.reward_aware_drafting is False  # off by default
     cfg = load_config(overrides=["rollout.reward_aware_drafting=true"])
-    worker = RolloutWorker(model, None, WorkerConfig(num_slots=2, max_model_len=64, max_draft_tokens=8,
-                                                     reward_aware_drafting=cfg.rollout.reward_aware_drafting),
-                           cost_model=FLAT)
+    resolved = replace(cfg.rollout, dtype="fp32", max_draft_tokens=8)  # as the run resolves them for its machine
+    worker = RolloutWorker(model, None, WorkerConfig(resolved, max_model_len=64), cost_model=FLAT)
     assert worker.engine.speculator.drafter.reward_weighted is True
-    assert RolloutWorker(model, None, WorkerConfig(num_slots=2, max_model_len=64, max_draft_tokens=8),
+    assert RolloutWorker(model, None, helpers.worker_config(num_slots=2, max_draft_tokens=8),
                          cost_model=FLAT).engine.speculator.drafter.reward_weighted is False
 
 

@@ -19,9 +19,9 @@ from rhymerl.rl.logprobs import Sample, token_logprobs
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.losses import policy_loss, tis_weights
 from rhymerl.rl.trainer import PolicyTrainer
-from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from helpers import learned as _learned, one_step_off_overrides, train_rows as _train
+from helpers import learned as _learned, one_step_off_overrides, train_rows as _train, worker_config
 from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -139,7 +139,7 @@ def test_alternate_admission_flips_with_the_step_and_keeps_the_tokens():
     history = HistoryStore()
     for p, n in zip(prompts, [3, 12, 6, 9]):  # recorded lengths: longest first is groups 1, 3, 2, 0
         history.record_rollout(p, [[5] * n] * 2)
-    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8, admission="alternate")
+    config = worker_config(num_slots=4, max_draft_tokens=8, admission_order="alternate")
     pool = LocalPool(RolloutWorker(policy, None, config, cost_model=FLAT), history)
     admitted = []
     generate = pool.worker.engine.generate

@@ -20,9 +20,9 @@ from rhymerl.histopipe.simulate import ready_times
 from rhymerl.history import HistoryStore
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
-from rhymerl.rollout import RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import RolloutGroup, RolloutWorker, SamplingParams
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from helpers import learned as _learned, one_step_off_overrides, train_rows as _train
+from helpers import learned as _learned, one_step_off_overrides, train_rows as _train, worker_config
 from tiny_models import random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft
@@ -32,8 +32,7 @@ SCORE_S = 0.1  # the reward's sleep per completion: the driver's scoring of a st
 # ---- versions and staleness, without Ray ------------------------------------------------------------------
 
 def test_a_worker_stamps_each_token_with_the_version_that_sampled_it():
-    worker = RolloutWorker(tiny_decoder(), None, WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32",
-                                                              speculative="off"))
+    worker = RolloutWorker(tiny_decoder(), None, worker_config(num_slots=4, speculative="off"))
     worker.load_weights(dict(worker.model.named_parameters()), version=3)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=1)
     prompt = random_prompts(1, seed=4)[0]

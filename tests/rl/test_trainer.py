@@ -17,7 +17,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.rl.losses import entropy_from_logits, policy_loss
 from rhymerl.rl.logprobs import ROWS_PER_CHUNK, Sample, TargetLogprobs, token_logprobs
 from rhymerl.rl.trainer import PolicyTrainer, lr_multiplier
-from helpers import training_samples
+from helpers import FLAT, training_samples, worker_config
 from tiny_models import random_prompts, tiny_decoder
 
 
@@ -324,18 +324,22 @@ def test_config_choices_are_written_once_and_the_implementations_accept_each():
     from rhymerl.histospec import budget, speculator
     from rhymerl.model import pretrained
     from rhymerl.rl import advantages, losses
-    from rhymerl.rollout import ray_pool, worker
+    from rhymerl.rollout import RolloutGroup, RolloutWorker, ray_pool
 
     assert config.DRAFT_RULES is budget.DRAFT_RULES and config.SPECULATIVE_MODES is speculator.SPECULATIVE_MODES
-    assert config.ADMISSION_ORDERS is plan.ADMISSION_ORDERS is worker.ADMISSION_ORDERS
+    assert config.ADMISSION_ORDERS is plan.ADMISSION_ORDERS
     assert config.sections.ROLLOUT_SCHEDULES is plan.SCHEDULES is ray_pool.SCHEDULES
     assert config.LOSS_TYPES is losses.LOSS_TYPES and config.SCALE_REWARDS is advantages.SCALE_REWARDS
     for rule in config.DRAFT_RULES:
         budget.length_rule(rule, 8)  # raises for a rule HistoSpec does not know
-    for mode in config.SPECULATIVE_MODES:
-        worker.WorkerConfig(speculative=mode)  # raises for a mode the worker does not know
-    for order in config.ADMISSION_ORDERS:
-        worker.WorkerConfig(admission=order)
+    policy, groups = tiny_decoder(), [RolloutGroup(p, [f"p{i}"]) for i, p in enumerate(random_prompts(3, seed=2))]
+    for mode in config.SPECULATIVE_MODES:  # the worker builds its engine for each mode
+        engine = RolloutWorker(policy, None, worker_config(speculative=mode, max_draft_tokens=4),
+                               cost_model=FLAT).engine
+        assert (engine.cost_model is FLAT) == (mode == "histospec"), mode
+    for order in config.ADMISSION_ORDERS:  # and orders a call's groups by each admission order
+        w = RolloutWorker(policy, None, worker_config(speculative="off", admission_order=order))
+        assert sorted(map(id, w.admission_order(groups, step=1))) == sorted(map(id, groups)), order
     for scale in config.SCALE_REWARDS:
         advantages.grpo_advantages(torch.tensor([1.0, 0.0]), 2, scale)
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)

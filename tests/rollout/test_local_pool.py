@@ -7,8 +7,10 @@ import torch
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.history import HistoryStore
+from rhymerl.config import RolloutSection
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
 from rhymerl.rollout.types import WorkersFailed
+from helpers import worker_config
 from tiny_models import random_prompts, tiny_decoder
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
@@ -24,7 +26,7 @@ def policy():
 
 
 def make_pool(policy, history=None, admission="fifo"):
-    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8, admission=admission)
+    config = worker_config(num_slots=4, max_draft_tokens=8, admission_order=admission)
     return LocalPool(RolloutWorker(policy, None, config, cost_model=FLAT), HistoryStore() if history is None else history)
 
 
@@ -92,9 +94,28 @@ def test_weights_load_in_place_and_the_pool_needs_the_plain_policy(policy):
     for name, p in params.items():
         assert p.data_ptr() == before[name][0] and p._version > before[name][1], name
     adapted = add_lora(copy.deepcopy(policy), 2, 4, 0.0)
-    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+    config = worker_config(num_slots=4, max_draft_tokens=8)
     with pytest.raises(ValueError, match="before add_lora"):
-        make_rollout_pool("local", 1, "", adapted, None, "", config, HistoryStore())
+        make_rollout_pool(config, "", adapted, None, "", HistoryStore())
+
+
+def test_the_worker_and_the_pool_take_their_options_from_the_rollout_section(policy):
+    """One owner per option: `WorkerConfig` carries the rollout section itself, checked by the section's own
+    rules and with the machine's defaults resolved, and `make_pool` reads the pool's options from it."""
+    from rhymerl.rollout.factory import make_pool as make_rollout_pool
+
+    with pytest.raises(ValueError, match="rollout.dtype: must be resolved to 'bf16' or 'fp32'"):
+        WorkerConfig(RolloutSection(max_draft_tokens=8), max_model_len=64)
+    with pytest.raises(ValueError, match="rollout.max_draft_tokens: must be resolved to >= 1"):
+        WorkerConfig(RolloutSection(dtype="fp32"), max_model_len=64)
+    with pytest.raises(ValueError, match="rollout.num_workers: must be 1 with rollout.backend=local"):
+        worker_config(num_workers=2)
+    section = RolloutSection(dtype="fp32", speculative="off", num_slots=3, history_rollouts=2, max_worker_restarts=5)
+    pool = make_rollout_pool(WorkerConfig(section, max_model_len=40), "", policy, None, "", HistoryStore())
+    assert isinstance(pool, LocalPool) and pool.max_restarts == 5 and pool.worker.config.rollout is section
+    engine = pool.worker.engine
+    assert engine.speculator is None and engine.max_model_len == 40 and engine.scheduler.num_slots == 3
+    assert pool.worker.history.max_rollouts == 2 and pool.worker.model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_longest_first_admission_changes_the_order_not_the_tokens(policy):
@@ -114,8 +135,8 @@ def test_longest_first_admission_changes_the_order_not_the_tokens(policy):
     assert [o.request_id for o in b.outputs] == [o.request_id for o in a.outputs]
     assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
     assert [rid.split("-")[1] for rid in admitted[::2]] == ["p1", "p3", "p2", "p0"]
-    with pytest.raises(ValueError, match="admission"):
-        WorkerConfig(admission="shortest")
+    with pytest.raises(ValueError, match="rollout.admission_order: must be one of"):
+        worker_config(admission_order="shortest")
 
 
 def test_spec_state_is_plain_data_that_a_new_pool_restores(policy):
@@ -125,7 +146,7 @@ def test_spec_state_is_plain_data_that_a_new_pool_restores(policy):
     import json
 
     measured = CostModel([1, 4], [1, 9], [[1e-3, 2e-3], [2e-3, 5e-3]], measured=True)  # corrected online
-    config = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+    config = worker_config(num_slots=4, max_draft_tokens=8)
     pool = LocalPool(RolloutWorker(policy, None, config, cost_model=measured), HistoryStore())
     prompts = random_prompts(2, seed=11)
     pool.rollout(groups(prompts), PARAMS)
@@ -138,8 +159,8 @@ def test_spec_state_is_plain_data_that_a_new_pool_restores(policy):
     spec = fresh.worker.engine.speculator
     assert spec.cost.as_dict() == measured.as_dict() and spec.correct_cost
     assert fresh.worker.engine.cost_model is spec.cost
-    off = LocalPool(RolloutWorker(policy, None, WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32",
-                                                             speculative="off"), cost_model=FLAT), HistoryStore())
+    off = LocalPool(RolloutWorker(policy, None, worker_config(num_slots=4, speculative="off"), cost_model=FLAT),
+                    HistoryStore())
     assert off.spec_state() == [None]
     off.load_spec_state(state)  # nothing to restore into: ignored
 

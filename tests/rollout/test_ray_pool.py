@@ -16,17 +16,18 @@ from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
 from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
-from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError, WorkerConfig
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, StaleWeightsError
 from rhymerl.histopipe.plan import static_split
 from rhymerl.rollout.ray_pool import RayPool, worker_resources
 from rhymerl.rollout.types import WorkersFailed
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from helpers import worker_config
 from tiny_models import peaky_checkpoint, random_prompts
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafts are free: always draft
 PARAMS = SamplingParams(temperature=0.3, max_tokens=16, seed=3)
 LONG = SamplingParams(temperature=0.3, max_tokens=40, seed=3)  # long enough to be killed in the middle
-CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+CONFIG = worker_config(num_slots=4, max_draft_tokens=8)
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,17 @@ from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
-from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams
 from rhymerl.rollout import ray_pool
 from rhymerl.rollout.ray_pool import RayPool
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from helpers import worker_config
 from tiny_models import peaky_checkpoint, random_prompts
 
 # A step of more sequences costs more (as on a real machine), so that histopipe's plan is not a plain count.
 COST = CostModel([1, 4], [1, 8], [[0.010, 0.030], [0.020, 0.080]])
 PARAMS = SamplingParams(temperature=1.0, max_tokens=24, seed=3)
-CONFIG = WorkerConfig(num_slots=4, max_model_len=64, dtype="fp32", max_draft_tokens=8)
+CONFIG = worker_config(num_slots=4, max_draft_tokens=8)
 
 
 @pytest.fixture(scope="module")

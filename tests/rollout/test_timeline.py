@@ -12,10 +12,11 @@ from rhymerl.histopipe.timeline import Timeline
 from rhymerl.history import HistoryStore
 from rhymerl.report import write_report
 from rhymerl.rl.step_metrics import rollout_metrics
-from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutResult, RolloutWorker, SamplingParams
 from rhymerl.rollout.timeline import (TIMELINE_FILE, append_timeline, call_interval, read_timeline, timeline_metrics,
                                       timeline_row, to_timeline)
 from rhymerl.rollout.types import RequestSpan, WorkerStats
+from helpers import worker_config
 from tiny_models import random_prompts, tiny_decoder
 
 T0 = 1_000.0  # a wall clock origin
@@ -82,7 +83,7 @@ def test_a_pool_that_stamped_no_interval_falls_back_to_its_workers():
 
 def test_a_local_pool_call_reports_every_request_once_with_plausible_times():
     slots = 3
-    config = WorkerConfig(num_slots=slots, max_model_len=64, dtype="fp32", max_draft_tokens=4)
+    config = worker_config(num_slots=slots, max_draft_tokens=4)
     flat = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])
     pool = LocalPool(RolloutWorker(tiny_decoder("llama"), None, config, cost_model=flat), HistoryStore())
     groups = [RolloutGroup(p, [f"p{i}-g{g}" for g in range(2)]) for i, p in enumerate(random_prompts(4, seed=5))]

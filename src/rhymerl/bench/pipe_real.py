@@ -34,6 +34,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rhymerl.config import RolloutSection  # torch-free, like the two below
 from rhymerl.cost_model import CostModel
 from rhymerl.data.dataset import BUILTIN_TASKS, builtin_examples  # torch-free, like this module's top
 from rhymerl.errors import UserError
@@ -56,6 +57,7 @@ def rounded(x):
 RHYMING = "rhyming"  # `--trace rhyming`: the calibrated workload (simulated) and the recorded task (real)
 RECORDED_TRACE = Path(__file__).resolve().parent.parent / "histopipe" / "traces" / "repeat.jsonl"
 MIN_WAVES = 4  # the rhyming real runs: requests per worker >= MIN_WAVES x slots
+MAX_DRAFT_TOKENS = 32  # HistoSpec's draft cap in these runs, in either dtype (as every recorded run had it)
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,9 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     history = HistoryStore()
     pools = {}
     for admission in ("fifo", "longest_first"):
-        config = WorkerConfig(num_slots=slots, max_model_len=max_len, dtype=dtype, speculative=speculative,
-                              admission=admission)
+        section = RolloutSection(num_slots=slots, dtype=dtype, speculative=speculative,
+                                 max_draft_tokens=MAX_DRAFT_TOKENS, admission_order=admission)
+        config = WorkerConfig(section, max_model_len=max_len)
         worker = RolloutWorker(policy, tokenizer, config, cost_model=cost_model)
         if speculative == "histospec" and cost_model is None:
             cost_model = worker.engine.cost_model  # measured once; the second worker reuses it
@@ -238,10 +241,11 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
     policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device, task)
-    config = WorkerConfig(num_slots=slots, max_model_len=max(map(len, prompts)) + max_tokens + 1, dtype=dtype,
-                          speculative=speculative)
-    pool = make_pool("ray", num_workers, "", policy, tokenizer, model_dir, config, HistoryStore(), seed=seed,
-                     device=device, cost_model=cost_model)
+    section = RolloutSection(backend="ray", num_workers=num_workers, num_slots=slots, dtype=dtype,
+                             speculative=speculative, max_draft_tokens=MAX_DRAFT_TOKENS)
+    config = WorkerConfig(section, max_model_len=max(map(len, prompts)) + max_tokens + 1)
+    pool = make_pool(config, "", policy, tokenizer, model_dir, HistoryStore(), seed=seed, device=device,
+                     cost_model=cost_model)
     try:
         def groups(tag: str) -> list:
             return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(num_generations)])

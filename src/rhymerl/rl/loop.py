@@ -98,13 +98,9 @@ class TrainingRun:
               f"{cfg.rollout.num_generations}", file=sys.stderr)
         # ---- rollout: a pool of workers, each with its own copy of the policy in the rollout dtype ----
         self.history = HistoryStore(max_rollouts=cfg.rollout.history_rollouts)  # the truth, checkpointed
-        worker = worker_config(cfg, self.model_dir, self.dtypes["rollout"], device)
         spec_states, cost_model = resume_spec_state(ckpt, cost_model)  # HistoSpec's learned state, checkpointed
-        self.pool = make_pool(cfg.rollout.backend, cfg.rollout.num_workers, cfg.ray.address, self.model, self.tokenizer,
-                              self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
-                              cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
-                              worker_timeout_s=cfg.rollout.worker_timeout_s, schedule=cfg.rollout.schedule,
-                              migration=cfg.rollout.migration)
+        self.pool = make_pool(worker_config(cfg, self.model_dir, device), cfg.ray.address, self.model, self.tokenizer,
+                              self.model_dir, self.history, seed=cfg.run.seed, device=device, cost_model=cost_model)
         if lora:  # after make_pool, which copies the plain Decoder (it refuses one with adapters)
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
         # ---- data, trainer, rewards ----

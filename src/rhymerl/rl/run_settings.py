@@ -58,17 +58,14 @@ def resolve_machine_defaults(cfg: TrainConfig, dtypes: dict[str, str]) -> TrainC
     return replace(cfg, rollout=replace(cfg.rollout, dtype=dtypes["rollout"], max_draft_tokens=draft), train=train)
 
 
-def worker_config(cfg: TrainConfig, model_dir: Path, dtype: str, device: str) -> WorkerConfig:
-    """Each rollout worker's config, its context long enough for a prompt plus the longer of the rollout's
-    and validation's completions; `check_context` first, so a context the device cannot hold is named by the
-    keys that set it rather than met as an out-of-memory error mid-run."""
+def worker_config(cfg: TrainConfig, model_dir: Path, device: str) -> WorkerConfig:
+    """Each rollout worker's config: the rollout section of `cfg` (its machine defaults resolved:
+    `resolve_machine_defaults`) and a context long enough for a prompt plus the longer of the rollout's and
+    validation's completions; `check_context` first, so a context the device cannot hold is named by the keys
+    that set it rather than met as an out-of-memory error mid-run."""
     max_len = cfg.data.max_prompt_length + max(cfg.rollout.max_completion_length, cfg.val.max_completion_length) + 1
     check_context(model_dir, max_model_len=max_len - 1, num_slots=cfg.rollout.num_slots,
-                  dtype=parse_dtype(dtype, device), device=device, slots_key="rollout.num_slots",
+                  dtype=parse_dtype(cfg.rollout.dtype, device), device=device, slots_key="rollout.num_slots",
                   key=f"data.max_prompt_length ({cfg.data.max_prompt_length}) + the longest "
                       f"rollout/val.max_completion_length ({max_len - 1 - cfg.data.max_prompt_length})")
-    r = cfg.rollout
-    return WorkerConfig(num_slots=r.num_slots, max_model_len=max_len, dtype=dtype, speculative=r.speculative,
-                        max_draft_tokens=r.max_draft_tokens, draft_rule=r.draft_rule,
-                        history_rollouts=r.history_rollouts, admission=r.admission_order,
-                        reward_aware_drafting=r.reward_aware_drafting)
+    return WorkerConfig(cfg.rollout, max_model_len=max_len)

@@ -35,17 +35,16 @@ def check_ray_address(address: str, timeout_s: float = 3.0) -> None:
                         f"one") from None
 
 
-def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder, tokenizer,
-              model_dir: str | os.PathLike, worker_config: WorkerConfig, history: HistoryStore, *, seed: int = 0,
-              device: str = "cpu", cost_model: CostModel | None = None, max_worker_restarts: int = 3,
-              worker_timeout_s: float = 0.0, schedule: str = "static", migration: bool = False) -> RolloutPool:
-    """The pool of `num_workers` workers on `backend` ('local': in this process, exactly one worker; 'ray':
-    one Ray actor each, on the cluster `ray_address` names, '' = a fresh local one). Each worker starts from
-    `policy`'s weights (version 0); `history` is the truth the pool ships slices of. Workers that fail (a Ray
-    actor that dies, a local worker whose rollout raises) are restarted up to `max_worker_restarts` times;
-    `worker_timeout_s` > 0 makes an unanswering Ray worker a failure.
-    `schedule` (`rollout.schedule`) splits each call's groups among the Ray workers and `migration`
-    (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split.
+def make_pool(config: WorkerConfig, ray_address: str, policy: Decoder, tokenizer, model_dir: str | os.PathLike,
+              history: HistoryStore, *, seed: int = 0, device: str = "cpu",
+              cost_model: CostModel | None = None) -> RolloutPool:
+    """The pool of rollout workers the rollout section (`config.rollout`) asks for: `backend` 'local' (one
+    worker in this process) or 'ray' (`num_workers` Ray actors, on the cluster `ray_address` names, '' = a
+    fresh local one). Each worker is built from `config` and starts from `policy`'s weights (version 0);
+    `history` is the truth the pool ships slices of. Workers that fail (a Ray actor that dies, a local worker
+    whose rollout raises) are restarted up to `max_worker_restarts` times; `worker_timeout_s` > 0 makes an
+    unanswering Ray worker a failure. `schedule` splits each call's groups among the Ray workers and
+    `migration` moves requests to idle ones in the tail; one local worker has nothing to split.
 
     `policy` must be the plain Decoder, before LoRA adapters are added to it (the loop calls this before
     `add_lora`): each worker copies its modules and parameter names, and `load_weights` later sends it
@@ -54,13 +53,11 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
     if adapted is not None:
         raise ValueError(f"make_pool needs the plain policy, before add_lora: it has the LoRA parameter {adapted!r} "
                          f"(the rollout workers copy the policy's modules and take merged weights by plain names)")
-    if backend == "local":
-        if num_workers != 1:
-            raise ValueError(f"rollout.backend=local runs one in-process worker, got rollout.num_workers="
-                             f"{num_workers}: set rollout.backend=ray for several")
-        return LocalPool(RolloutWorker(policy, tokenizer, worker_config, cost_model=cost_model), history,
-                         max_restarts=max_worker_restarts)
-    if backend == "ray":
+    r = config.rollout
+    if r.backend == "local":  # one worker: the section refuses num_workers > 1 with it (`WorkerConfig`)
+        return LocalPool(RolloutWorker(policy, tokenizer, config, cost_model=cost_model), history,
+                         max_restarts=r.max_worker_restarts)
+    if r.backend == "ray":
         from rhymerl.rollout import ray_pool  # the optional backend's import, where it is chosen
 
         check_ray_address(ray_address)
@@ -69,10 +66,10 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
         except ConnectionError as e:  # e.g. 'auto' with no cluster running on this machine
             raise UserError(f"ray.address={ray_address}: {str(e).splitlines()[0]}; start the cluster with "
                             f"`ray start --head`, or set ray.address='' for a fresh local one") from None
-        return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
-                                device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
-                                max_restarts=max_worker_restarts, schedule=schedule, migration=migration)
-    raise ValueError(f"unknown rollout backend {backend!r} (local or ray)")
+        return ray_pool.RayPool(policy, tokenizer, model_dir, config, history, r.num_workers, seed=seed,
+                                device=device, cost_model=cost_model, timeout_s=r.worker_timeout_s or None,
+                                max_restarts=r.max_worker_restarts, schedule=r.schedule, migration=r.migration)
+    raise ValueError(f"unknown rollout backend {r.backend!r} (local or ray)")
 
 
 def make_stream(pool: RolloutPool):

@@ -90,7 +90,7 @@ class WorkerActor:
             # fp32 as the driver's policy; the worker copies it into its rollout dtype, then takes the weights
             worker = RolloutWorker(load_decoder(model_dir, torch.float32, device), tokenizer, config, worker_id,
                                    cost_model=cost_model)
-            worker.load_weights(_from_store(weights, parse_dtype(config.dtype)), version)
+            worker.load_weights(_from_store(weights, parse_dtype(config.rollout.dtype)), version)
             return worker
 
         self.worker = self._compute.submit(build).result()
@@ -106,7 +106,7 @@ class WorkerActor:
         return self._on_compute(torch.get_num_threads)
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> int:
-        self._on_compute(self.worker.load_weights, _from_store(weights, parse_dtype(self.worker.config.dtype)),
+        self._on_compute(self.worker.load_weights, _from_store(weights, parse_dtype(self.worker.config.rollout.dtype)),
                          version)
         return version
 
@@ -126,7 +126,7 @@ class WorkerActor:
         this actor's queue (0, 1, ...): shares enter the compute thread in that order (see above)."""
         def run():
             if self.worker.weights_version != version and weights is not None:
-                self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.dtype)), version)
+                self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.rollout.dtype)), version)
             return self.worker.rollout(groups, params, history, version, step)
         with self._stream_turn:
             self._stream_turn.wait_for(lambda: self._stream_next == seq)

@@ -124,7 +124,7 @@ class RayPool:
             raise UserError(f"rollout.num_workers={num_workers}: each rollout worker on CUDA takes a GPU, and the "
                             f"Ray cluster has {resources.get('GPU', 0):g} (Ray would wait for more forever): set "
                             f"rollout.num_workers to at most that, or add GPU nodes to the cluster")
-        self._dtype = parse_dtype(config.dtype)
+        self._dtype = parse_dtype(config.rollout.dtype)
         self._weights = self._put({name: p for name, p in policy.named_parameters()})
         self._new_actor = WorkerActor.options(num_cpus=cpus, num_gpus=gpus).remote
         self._args = (str(model_dir), ray.put(tokenizer), config, seed, device, self.threads)
@@ -200,12 +200,12 @@ class RayPool:
             return plan(sizes, num_workers, self.schedule)
         prompts = [g.prompt_ids for g in groups]
         predicted = LengthPredictor.from_history(self.history, prompts, cap=cap).predict_many(prompts)
-        return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.num_slots)
+        return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.rollout.num_slots)
 
     def _plan_cost(self) -> CostModel:
         """The cost model `histopipe` plans with: the pool's, else the one the workers measured at start-up
         (HistoSpec's, asked of one worker once), else `DEFAULT_PLAN_COST`."""
-        if self._cost_model is None and self._measured_cost is None and self.config.speculative != "off":
+        if self._cost_model is None and self._measured_cost is None and self.config.rollout.speculative != "off":
             try:
                 state = ray.get(next(iter(self.actors.values())).spec_state.remote(), timeout=self.timeout_s)
             except (RayActorError, GetTimeoutError):

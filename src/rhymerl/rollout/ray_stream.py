@@ -68,7 +68,7 @@ class RayStream:
     def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Weights `version`, for the shares submitted from now on: put in the object store once (as
         `RayPool.load_weights` puts them); no worker is interrupted or waited for."""
-        self._published = (version, ray.put(to_store(params, parse_dtype(self.pool.config.dtype))))
+        self._published = (version, ray.put(to_store(params, parse_dtype(self.pool.config.rollout.dtype))))
 
     def submit(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> StreamedStep:
         """Queue each worker's share of `groups` on the current weights version; `step` as in `RayPool.rollout`

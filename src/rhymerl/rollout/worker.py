@@ -10,13 +10,14 @@ from typing import Sequence
 
 import torch
 
+from rhymerl.config import RolloutSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput, Status
-from rhymerl.histopipe.plan import ADMISSION_ORDERS, admission_order
+from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histospec.speculator import SPECULATIVE_MODES, Speculator
+from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
@@ -25,28 +26,29 @@ from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, 
 
 @dataclass
 class WorkerConfig:
-    """What a worker's engine is built with (plain data: a worker in another process gets a copy)."""
+    """What a worker is built with (plain data: a worker in another process gets a copy). `rollout`: the
+    rollout section, the one owner of every rollout option (its default, choices and range:
+    `config/sections.py`), with its machine defaults resolved (`rl/run_settings.resolve_machine_defaults`);
+    the worker reads its options from there and builds its engine and `Speculator` from them.
+    `max_model_len`: a sequence's context, a prompt plus the longest completion (no single key sets it:
+    `rl/run_settings.worker_config` derives it)."""
 
-    num_slots: int = 32
-    max_model_len: int = 2048
-    dtype: str = "fp32"  # the rollout copy's dtype ("bf16", "fp32", as resolved by the loop)
-    speculative: str = "histospec"
-    max_draft_tokens: int = 32
-    draft_rule: str = "cost"
-    history_rollouts: int = 4  # the history replica's budget, as the truth's
-    # "fifo": groups enter free slots in the order given; "longest_first": longest predicted first (HistoPipe
-    # inside one worker, from the replica's history), so that the longest requests do not start last;
-    # "alternate": shortest first on odd training steps, longest first on even ones (HistoPipe across steps,
-    # for rollout.mode=one_step_off; a call without a step number, validation, goes longest first). Keyed
-    # randomness makes the tokens the same in any order: only the timing changes.
-    admission: str = "fifo"
-    reward_aware_drafting: bool = False  # HistoSpec's reward-weighted branch priority (the same tokens)
+    rollout: RolloutSection
+    max_model_len: int
 
     def __post_init__(self):
-        if self.speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}")
-        if self.admission not in ADMISSION_ORDERS:
-            raise ValueError(f"admission must be one of {ADMISSION_ORDERS}, got {self.admission!r}")
+        r, errors = self.rollout, self.rollout.validate()
+        if r.dtype not in ("bf16", "fp32"):  # "auto" names no dtype: the run resolves it for its machine
+            errors.append(f"rollout.dtype: must be resolved to 'bf16' or 'fp32' before a worker is built, got "
+                          f"{r.dtype!r} (rl/run_settings.resolve_machine_defaults)")
+        if r.speculative == "histospec" and r.max_draft_tokens < 1:  # 0 = "by the machine", resolved likewise
+            errors.append(f"rollout.max_draft_tokens: must be resolved to >= 1 before a HistoSpec worker is "
+                          f"built, got {r.max_draft_tokens} (rl/run_settings.resolve_machine_defaults)")
+        if self.max_model_len < 2:
+            errors.append(f"max_model_len: must be >= 2 (a prompt token and a completion token), got "
+                          f"{self.max_model_len}")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 class _HandoverRequest:
@@ -60,20 +62,21 @@ class _HandoverRequest:
 
 class RolloutWorker:
     """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
-    (copied, in `config.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
+    (copied, in `rollout.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
 
     def __init__(self, policy: Decoder, tokenizer, config: WorkerConfig, worker_id: int = 0,
                  cost_model: CostModel | None = None):
         self.worker_id = worker_id
         self.config = config
         self.tokenizer = tokenizer
-        self.model = copy.deepcopy(policy).to(parse_dtype(config.dtype)).eval().requires_grad_(False)
-        self.history = HistoryStore(max_rollouts=config.history_rollouts)  # a replica of the pool's
+        r = config.rollout  # every option below is the rollout section's (config/sections.py)
+        self.model = copy.deepcopy(policy).to(parse_dtype(r.dtype)).eval().requires_grad_(False)
+        self.history = HistoryStore(max_rollouts=r.history_rollouts)  # a replica of the pool's
         speculator = None
-        if config.speculative == "histospec":  # None for the cost model: the engine measures one
-            speculator = Speculator(cost_model, self.history, config.draft_rule, config.max_draft_tokens,
-                                    reward_weighted=config.reward_aware_drafting)
-        self.engine = Engine(self.model, tokenizer, num_slots=config.num_slots, max_model_len=config.max_model_len,
+        if r.speculative == "histospec":  # None for the cost model: the engine measures one
+            speculator = Speculator(cost_model, self.history, r.draft_rule, r.max_draft_tokens,
+                                    reward_weighted=r.reward_aware_drafting)
+        self.engine = Engine(self.model, tokenizer, num_slots=r.num_slots, max_model_len=config.max_model_len,
                              speculator=speculator)
         self.weights_version = 0
         # Migration: another thread's `hand_over` leaves a request here; the thread running
@@ -89,13 +92,16 @@ class RolloutWorker:
         self._prior: dict = {}  # request id -> the token versions a continuation brought, for the running call
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
-        """The order the groups enter the engine's queue (`WorkerConfig.admission`; `step`, the training step
-        number as logged, from 1, picks the direction of "alternate"); a group stays together, so that its
-        siblings share their prompt's prefill."""
-        if self.config.admission == "fifo":
+        """The order the groups enter the engine's queue (`rollout.admission_order`: "fifo" as given,
+        "longest_first" by predicted length from the replica's history, "alternate" shortest first on odd
+        steps and longest first on even ones; `step`, the training step number as logged, from 1, picks the
+        direction, and a call without one, validation, goes longest first). A group stays together, so that
+        its siblings share their prompt's prefill; keyed randomness makes the tokens the same in any order."""
+        order = self.config.rollout.admission_order
+        if order == "fifo":
             return list(groups)
         predicted = [self._predict(g.prompt_ids) for g in groups]
-        if self.config.admission == "alternate" and step is not None and step % 2 == 1:
+        if order == "alternate" and step is not None and step % 2 == 1:
             predicted = [-p for p in predicted]  # shortest first (ties still in arrival order)
         return admission_order(list(groups), predicted)
 
