@@ -14,7 +14,8 @@ from rhymerl import cli
 from rhymerl.bench import engine_bench
 from rhymerl.bench.hf_generate import mode_keys, parse_hf_modes
 from rhymerl.engine.backends import CudaBackend
-from rhymerl.engine.engine import Engine
+from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
 
@@ -149,17 +150,17 @@ def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(monkeypa
     params = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
     built = []
 
-    def static_engine(*args, **kw):
-        engine = Engine(*args, **kw)
-        engine.runner.backend = CudaBackend(model, engine.cache, "static")
-        built.append(engine.runner.backend)
-        return engine
+    def static_runner(m, cache):
+        runner = ModelRunner(m, cache)
+        runner.backend = CudaBackend(m, cache, "static")
+        built.append(runner.backend)
+        return runner
 
-    monkeypatch.setattr(engine_bench, "Engine", static_engine)
-    tok, _, engine, capture = engine_bench.ours_generate(model, None, prompts, 2, params, 32)
-    assert engine.stats.generated_tokens == tok and capture[1] > 0
+    monkeypatch.setattr(engine_bench, "ModelRunner", static_runner)
+    tok, _, engine, runner, capture = engine_bench.ours_generate(model, None, prompts, 2, params, 32)
+    assert engine.stats.generated_tokens == tok and capture[1] > 0 and runner.backend is built[0]
     assert len(built[0].buckets) == len(built[0].shapes.every(4))  # every bucket, chains up to the longest prompt
-    fields = engine_bench.step_fields(engine, capture)
+    fields = engine_bench.step_fields(engine.stats, runner.backend, capture)
     assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] >= fields["ours_host_ms"] > 0
     assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured_timed"] == 0
     assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step
@@ -168,10 +169,10 @@ def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(monkeypa
 def test_kernels_per_step_counts_the_static_steps_computing_ops():
     """One launch per computing op, whatever the rows; each layer adds the same ops."""
     model = tiny_decoder("llama")
-    engine = Engine(model, None, num_slots=8, max_model_len=32, eos_token_ids=[0])
-    two_layers = [engine_bench.kernels_per_step(engine, rows) for rows in (1, 8)]
-    verify = engine_bench.kernels_per_step(engine, 8, engine_bench.VERIFY_TOKENS)
+    runner = ModelRunner(model, KVCache.for_model(model, 8, 32))
+    two_layers = [engine_bench.kernels_per_step(runner, rows) for rows in (1, 8)]
+    verify = engine_bench.kernels_per_step(runner, 8, engine_bench.VERIFY_TOKENS)
     model.layers = model.layers[:1]
-    one_layer = engine_bench.kernels_per_step(engine, 8)
+    one_layer = engine_bench.kernels_per_step(runner, 8)
     assert two_layers[0] == two_layers[1] and two_layers[0] - one_layer == LAUNCHES_PER_LLAMA_LAYER
-    assert verify - engine_bench.kernels_per_step(engine, 8, engine_bench.VERIFY_TOKENS) == LAUNCHES_PER_LLAMA_LAYER + 2
+    assert verify - engine_bench.kernels_per_step(runner, 8, engine_bench.VERIFY_TOKENS) == LAUNCHES_PER_LLAMA_LAYER + 2

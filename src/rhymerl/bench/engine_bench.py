@@ -34,7 +34,9 @@ from rhymerl.engine.backends.op_trace import OpTrace
 from rhymerl.engine.backends.static_step import MIN_KEYS, StaticShapes, StaticStep, bucket_of
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.model_runner import ModelRunner
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.stats import EngineStats
 from rhymerl.errors import UserError
 from rhymerl.model.pretrained import chat_prompt_ids, default_device, load_pretrained, parse_dtype, resolve_dtype
 from rhymerl.tasks.arithmetic import make_problems, prompt_text
@@ -93,32 +95,34 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
-                  max_model_len: int) -> tuple[int, float, Engine, tuple[int, float]]:
-    """(generated tokens, seconds, the engine, (graphs captured, seconds) before the timed run). Where the
-    backend replays CUDA graphs, every step shape is captured first, untimed (`capture_every_shape`), as
-    transformers' compiled path compiles in its warm-up: in RL the engine lives across steps, so captures are
-    a start-up cost. `graphs_captured_timed` (`step_fields`) shows that the timed run captured nothing."""
-    engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len)
-    backend = engine.runner.backend
+                  max_model_len: int) -> tuple[int, float, Engine, ModelRunner, tuple[int, float]]:
+    """(generated tokens, seconds, the engine, the model runner it ran on, (graphs captured, seconds) before
+    the timed run). The bench builds the runner and hands it to the engine, so that it can read the runner's
+    backend. Where that replays CUDA graphs, every step shape is captured first, untimed
+    (`capture_every_shape`), as transformers' compiled path compiles in its warm-up: in RL the engine lives
+    across steps, so captures are a start-up cost. `graphs_captured_timed` (`step_fields`) shows that the
+    timed run captured nothing."""
+    runner = ModelRunner(model, KVCache.for_model(model, batch, max_model_len))
+    engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len, runner=runner)
+    backend = runner.backend
     capture = (0, 0.0)
     if isinstance(backend, CudaBackend):
         capture = (backend.captured, backend.capture_every_shape(max(map(len, prompts)))[1])
     engine.take_stats()  # the timed run's counters start here
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, capture
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, runner, capture
 
 
-def kernels_per_step(engine: Engine, rows: int, tokens: int = 1) -> int:
+def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
     """Kernels a plain decode step of `rows` slots launches in the static step a CUDA graph replays: the
     computing aten ops of its op trace (`op_trace`), countable on any device. Run on a step of padding alone,
     which changes no committed key or value. `tokens` > 1: a HistoSpec verification step's, each row a tree
-    of that many tokens, on a small cache of its own with room for their drafts."""
-    cache, model = engine.cache, engine.runner.model
+    of that many tokens, on a small cache of its own with room for their drafts. `runner`: the engine's,
+    which the bench built (`ours_generate`)."""
+    cache, model = runner.cache, runner.model
     if tokens > 1:
-        c = model.cfg
-        cache = KVCache(c.num_layers, cache.kv.shape[1], MIN_KEYS, c.num_kv_heads, c.head_dim, cache.kv.dtype,
-                        cache.kv.device, tokens - 1)
+        cache = KVCache.for_model(model, cache.kv.shape[1], MIN_KEYS, tokens - 1)
     shapes = StaticShapes(cache)
     step = StaticStep(model, cache, False, bucket_of(rows, shapes.rows), tokens, shapes.keys[0])
     step.load([], [])
@@ -127,13 +131,13 @@ def kernels_per_step(engine: Engine, rows: int, tokens: int = 1) -> int:
     return trace.launches
 
 
-def step_fields(engine: Engine, capture: tuple[int, float] = (0, 0.0)) -> dict:
+def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.0)) -> dict:
     """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
     GPU, where the forward only queues its work, the wait for the device's results, and the host's time
     outside the forward (`ours_host_ms`: outside the forward, less that wait; on a CPU the two are one); and
     what the CUDA backend did (`capture`: graphs captured before the timed run and their seconds; then the
-    graphs captured during it, which should be none, replays, parts run eagerly)."""
-    stats, backend = engine.stats, engine.runner.backend
+    graphs captured during it, which should be none, replays, parts run eagerly). `stats`: the engine's
+    counters of the timed run; `backend`: its runner's."""
     steps = max(stats.forward_passes, 1)
     outside = stats.busy_s - stats.forward_s
     out = {"ours_step_ms": round(1e3 * stats.busy_s / steps, 3),
@@ -205,7 +209,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
     for b in batches:
         prompts = all_prompts[: counts[b]]
         progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
-        tok, sec, engine, capture = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
+        tok, sec, engine, runner, capture = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
         ours_tok_s = tok / sec
         if capture[1]:
             progress.note(f"batch {b}: every step shape captured before the timed run, {capture[1]:.1f} s")
@@ -214,8 +218,9 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
                "ours_forwards": engine.stats.forward_passes,
                "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
                "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3),
-               **step_fields(engine, capture), "kernels_per_step": kernels_per_step(engine, b),
-               "kernels_per_verify_step": kernels_per_step(engine, b, VERIFY_TOKENS)}
+               **step_fields(engine.stats, runner.backend, capture),
+               "kernels_per_step": kernels_per_step(runner, b),
+               "kernels_per_verify_step": kernels_per_step(runner, b, VERIFY_TOKENS)}
         hf_prompts = prompts[: hf_batches * b]
         if hf_modes:
             row["hf_prompts"] = len(hf_prompts)

@@ -53,24 +53,23 @@ class Engine:
     verified losslessly), built by the caller; None = plain decoding, one token per slot per step. The engine
     tells it its EOS ids and, when it was built without a cost model, measures one (`measure_cost_model`;
     to reuse what an engine on the same model and slot count measured, build it with `other.cost_model`).
-    `runner`: an earlier engine's (`other.runner`: its KV cache and, on a GPU, its captured CUDA graphs) for
-    this one to run on, when both have the same model, slots and context and its cache has room for this
-    engine's drafts: a benchmark's engines then capture each step shape once, as a training run's
-    long-lived engine does.
+    `runner`: a model runner built by the caller (`ModelRunner(model, KVCache.for_model(...))`: the KV cache
+    and, on a GPU, its captured CUDA graphs) for this engine to run on, for the same model, slots and context,
+    its cache with room for this engine's drafts; None = one of its own. A benchmark hands one runner to all
+    its engines of a shape, which then capture each step shape once, as a training run's long-lived engine
+    does.
     """
 
     def __init__(self, model: Decoder, tokenizer=None, *, num_slots: int = 8, max_model_len: int = 2048,
                  max_prefill_tokens: int = 4096, eos_token_ids: Iterable[int] | None = None,
                  speculator: Speculator | None = None, runner: ModelRunner | None = None):
         cfg = model.cfg
-        param = next(model.parameters())
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.max_draft_tokens = speculator.max_draft_tokens if speculator is not None else 0
         scratch = self.max_draft_tokens  # the cache holds one step's draft past the context
         if runner is None:
-            self.cache = KVCache(cfg.num_layers, num_slots, max_model_len, cfg.num_kv_heads, cfg.head_dim,
-                                 param.dtype, param.device, scratch)
+            self.cache = KVCache.for_model(model, num_slots, max_model_len, scratch)
             runner = ModelRunner(model, self.cache)
         else:
             runner.check_fits(model, num_slots, max_model_len, scratch)

@@ -26,6 +26,15 @@ class KVCache:
         self.kv = torch.zeros((num_layers, num_slots, 2 * num_kv_heads, self.capacity, head_dim), dtype=dtype,
                               device=device)
 
+    @classmethod
+    def for_model(cls, model, num_slots: int, max_len: int, scratch: int = 0) -> "KVCache":
+        """The cache of `num_slots` slots of `max_len` tokens (plus `scratch` draft positions) for `model`'s
+        layers and heads, in its parameters' dtype and on their device: what an engine of that shape runs on
+        (`ModelRunner(model, KVCache.for_model(...))`, also what a bench hands several engines to share)."""
+        cfg, param = model.cfg, next(model.parameters())
+        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, param.dtype, param.device,
+                   scratch)
+
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
