@@ -33,13 +33,13 @@ from rich.table import Table
 from rhymerl.bench.console import device_fields, table_console
 from rhymerl.bench.graph_capture import GraphCaptures
 from rhymerl.bench.progress import Progress
+from rhymerl.bench.spec_engines import SpecEngines
 from rhymerl.bench.spec_figures import figures, identity, reward_aware_figures, speedup
 from rhymerl.bench.spec_inputs import history_of_run, load_prompts
 from rhymerl.data.dataset import BUILTIN_TASKS
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.errors import UserError
-from rhymerl.histospec.speculator import Speculator
 from rhymerl.model.pretrained import default_device, load_pretrained, resolve_dtype
 from rhymerl.rl.losses import entropy_from_logits
 from rhymerl.rl.run_settings import DEFAULT_MAX_DRAFT_TOKENS
@@ -119,32 +119,6 @@ class SpecBenchConfig:
     reward_aware: bool = False
 
 
-class _Engines:
-    """The bench's engines, made on the way. One cost model per model and engine shape, measured by the first
-    HistoSpec engine of that shape, as a training run measures once at start-up. Re-measuring for every timed
-    run made the run right after the measurement's large forwards the slow one of a pair (one-off A/B at
-    T=1.0, where HistoSpec drafts almost nothing: only the measured-just-before runs lost to plain). Likewise
-    one runner (KV cache, and on a GPU the CUDA graphs captured on it) per engine shape, made by that first
-    HistoSpec engine: every engine of the shape runs on it, so a step shape is captured once, not in every
-    timed run."""
-
-    def __init__(self, tokenizer, draft_rule: str, max_draft_tokens: int):
-        self.tokenizer, self.draft_rule, self.max_draft_tokens = tokenizer, draft_rule, max_draft_tokens
-        self.costs, self.runners = {}, {}
-
-    def make(self, m, spec: str, history=None, *, n_slots: int, length: int, aware: bool = False) -> Engine:
-        """An engine on model `m`: plain (`spec` "off") or HistoSpec drafting from `history`."""
-        key = (id(m), n_slots, length)
-        speculator = None if spec == "off" else Speculator(self.costs.get(key), history, self.draft_rule,
-                                                           self.max_draft_tokens, reward_weighted=aware)
-        engine = Engine(m, self.tokenizer, num_slots=n_slots, max_model_len=length, speculator=speculator,
-                        runner=self.runners.get(key))
-        if spec == "histospec":
-            self.costs.setdefault(key, engine.cost_model)
-            self.runners.setdefault(key, engine.runner)
-        return engine
-
-
 class _SpecBench:
     """One `bench spec` run: the model(s) and prompts loaded, the engines' shapes measured, then per
     temperature the epochs and their figures (`temperature`)."""
@@ -179,7 +153,7 @@ class _SpecBench:
         if cfg.identity_prompts:
             self.fp32 = self.model if self.dtype == "fp32" else load_pretrained(self.model_name, "fp32", self.device)[0]
         self.identity_len = max(map(len, self.prompts[:cfg.identity_prompts]), default=0) + cfg.identity_max_tokens
-        self.engines = _Engines(tokenizer, cfg.draft_rule, self.max_draft_tokens)
+        self.engines = SpecEngines(tokenizer, cfg.draft_rule, self.max_draft_tokens)
 
     def make(self, m, spec: str, history=None, n_slots: int | None = None, length: int | None = None,
              aware: bool = False) -> Engine:
