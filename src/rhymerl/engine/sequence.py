@@ -83,7 +83,7 @@ class Sequence:
     first_token: float = 0.0
     forwards: int = 0  # forward passes it took part in
     group: object = None  # siblings share a group (HistoSpec drafts from each other)
-    spec: object = None  # the speculator's per-sequence state (rhymerl.histospec.speculator.SeqSpec)
+    spec: object = None  # the speculator's per-sequence state (rhymerl.histospec.seq_state.SeqSpec)
     resumed: bool = False  # adopted from another engine (`Continuation`) and not yet re-prefilled
 
     def __post_init__(self):

@@ -5,6 +5,7 @@
 - `budget`: which draft nodes a step verifies (by the measured cost model), probe steps, draft-length rules.
 - `calibration`: how often the policy follows a drafted edge, by depth and match class.
 - `verify`: the acceptance rule (lossless) and the walk that applies it.
+- `seq_state`: a sequence's speculation state (its indexes, draft length, idle count).
 - `speculator`: the engine's two calls a step, `propose` and `commit`.
 
 Torch-free. The engine imports it; it imports only the leaves `rhymerl.history` and `rhymerl.cost_model`.

@@ -13,8 +13,6 @@ The engine talks to it through two calls a step:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from rhymerl.cost_model import CostModel
 from rhymerl.histospec import budget
@@ -22,6 +20,7 @@ from rhymerl.histospec.budget import PROBE_EVERY, PROBE_NODES, PROBE_SPEND, is_p
 from rhymerl.histospec.calibration import MATCH_CLASSES, EdgeCalibration, match_class
 from rhymerl.histospec.drafter import Draft, Drafter
 from rhymerl.histospec.history_index import HistoryIndex
+from rhymerl.histospec.seq_state import DraftingSequence, SeqSpec, SiblingGroup, tail
 from rhymerl.histospec.stats import SpecStats
 from rhymerl.histospec.suffix_index import SuffixIndex
 from rhymerl.histospec.verify import Verified
@@ -34,59 +33,6 @@ SIBLING_PROMPT_TOKENS = 8  # the end of the prompt goes in front of each sibling
 # phrase but not the sentence. On the T=0.3 tail a 15-token window took clearly fewer forwards than 7
 # (docs/notebook, bench spec at 021876b); 23 gained nothing more.
 MATCH_WINDOW = 15
-
-
-@dataclass
-class SiblingGroup:
-    """The responses of the sequences sharing a prompt in this batch, as one suffix index (one sequence per
-    sibling), plus the tokens committed since the index was last read: the index is only read when
-    drafting, so it catches up then (`flush`) and not after every step."""
-
-    index: SuffixIndex = field(default_factory=SuffixIndex)
-    unindexed: dict[int, list[int]] = field(default_factory=dict)  # sibling id -> tokens not in `index` yet
-
-    def flush(self) -> None:
-        for sid, tokens in self.unindexed.items():
-            if tokens:
-                self.index.extend(sid, tokens)
-                tokens.clear()
-
-
-@dataclass
-class SeqSpec:
-    """A sequence's speculation state: its own index, its place among its siblings, its draft length.
-    Committed tokens reach `own` (and the group) only when the sequence drafts next: a sequence that
-    finishes first, or a step where drafting is paused, never pays for indexing them."""
-
-    own: SuffixIndex
-    group: SiblingGroup
-    sibling_id: int
-    history: SuffixIndex | None
-    length: int
-    stats: SpecStats = field(default_factory=SpecStats)  # this request's (RequestOutput.spec)
-    unindexed: list[int] = field(default_factory=list)  # committed tokens not in `own` yet
-    idle: int = 0  # consecutive drafting steps that kept none of this sequence's draft (see Speculator.plan)
-
-    def drafts_now(self) -> bool:
-        """After PROBE_EVERY drafting steps in a row that kept nothing of its draft, a sequence drafts only
-        every PROBE_EVERY-th time: at a high temperature most sequences match nothing useful, and drafting and
-        indexing them at every step cost more than the few tokens the others' drafts gain."""
-        return self.idle < PROBE_EVERY or self.idle % PROBE_EVERY == 0
-
-    def flush(self) -> None:
-        if self.unindexed:
-            self.own.extend(0, self.unindexed)
-            self.unindexed.clear()
-        self.group.flush()
-
-
-class DraftingSequence(Protocol):
-    """What HistoSpec reads of an engine sequence (`rhymerl.engine.sequence.Sequence`); `spec` is its own."""
-
-    group: object  # siblings share a group
-    prompt_ids: list[int]
-    output_ids: list[int]
-    spec: SeqSpec | None
 
 
 class Speculator:
@@ -173,7 +119,7 @@ class Speculator:
         if not drafting or self.drafting_paused(len(seqs)):
             return drafts
         window = self.drafter.max_window  # the recent tokens the drafter matches
-        proposed = self.plan([_tail(seqs[i], window) for i in drafting], [seqs[i].spec for i in drafting],
+        proposed = self.plan([tail(seqs[i], window) for i in drafting], [seqs[i].spec for i in drafting],
                              base_tokens, len(seqs), draining=draining, max_depths=[rooms[i] for i in drafting])
         for i, d in zip(drafting, proposed):
             drafts[i] = d
@@ -341,9 +287,3 @@ class Speculator:
         spec.stats.add(draft, n_kept)
         self.calibration.update(draft, accepted_nodes)
         spec.length = self.rule.next(spec.length, max(draft.depths()), n_acc)
-
-
-def _tail(seq: DraftingSequence, n: int) -> list[int]:
-    """The last n tokens of prompt + output, without copying the whole sequence."""
-    out = seq.output_ids[-n:]
-    return out if len(out) == n else seq.prompt_ids[-(n - len(out)):] + out
