@@ -266,7 +266,7 @@ class TrainingRun:
             "critic/zero_std_frac": adv_stats["zero_std_frac"],
             "reward/errors": errors, "reward/errors_total": self.reward_errors, "reward/timeouts": timeouts,
             "epoch": ((self.data_pos - 1) * cfg.train.prompts_per_step) // len(self.train_prompts),
-            "history/tokens": self.history.size().get("tokens", 0),
+            "history/tokens": self.history.size().get("tokens", 0), "train/groups": len(train_groups),
             # 0 in sync mode; 1 in one_step_off for a step rolled out on the weights before the last update
             "rollout/staleness": step - results[0].weights_version,
             # the driver's time per phase, adding up to the step: a rollout run in the background during the
