@@ -302,6 +302,9 @@ class TrainingRun:
 
     def save(self, step: int, metrics: dict | None = None) -> Path:
         """Checkpoint after `step` completed steps; `metrics` is that step's row, kept for a resume."""
+        if self.assembly.waiting:  # a step that ends in a checkpoint defers nothing (StreamedRollout.defers)
+            raise RuntimeError(f"checkpoint {step}: {len(self.assembly.waiting)} groups still wait for a deferred "
+                               f"request (a step that ends in a checkpoint must defer nothing)")
         trainer_state = self.trainer.state_dict()
         if self.cfg.model.lora_r > 0:  # base + adapters, for an exact resume (the HF weights are merged)
             trainer_state["lora_model"] = self.model.state_dict()

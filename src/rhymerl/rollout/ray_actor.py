@@ -119,7 +119,8 @@ class WorkerActor:
     def stream_rollout(self, seq: int, weights: dict[str, np.ndarray] | None, version: int,
                        groups: list[RolloutGroup], params: SamplingParams, history: dict,
                        step: int | None, defer: bool = False, max_staleness: int = 1,
-                       *carry: list[Continuation]) -> tuple[tuple[list[RequestOutput], WorkerStats], list[Continuation]]:
+                       *carry: list[Continuation]
+                       ) -> tuple[tuple[list[RequestOutput], WorkerStats], list[Continuation]]:
         """`RayStream`'s share: load weights `version` first if this worker holds another (the share carries
         them, so it runs right where the worker's previous share ended, and a share run again after a failure
         or out of order still gets its own version), then roll out. `weights` None: the version the pool

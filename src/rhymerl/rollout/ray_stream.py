@@ -15,6 +15,12 @@ out of submission order, still runs on its own version. Every token of a step is
 version (the loop asks for the same version as without the stream, so the tokens are the same), and each
 output's `versions` records it per token.
 
+`rollout.defer_tail`: a training step gives every worker a share, and each share takes what the same worker's
+previous training share deferred (that share's second return object, a top-level argument that Ray resolves
+when it is ready) and runs it first (`rollout/deferral.py`); those requests' outputs come back with this step,
+their ids missing from the step they were deferred from (`RolloutResult.deferred`). A request deferred by a
+worker that was dropped goes to the first worker's next share.
+
 Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
 starts on the pool's weights and loads each share's own version) and every share it still owed, of every step in
 flight, runs again (keyed randomness: the same tokens). Migration and
