@@ -28,6 +28,10 @@ the update of step t - lag), lag 1 for sync (which implies the whole of step t-1
 one_step_off. In one_step_off, `histopipe` and `oracle` admit as rhymerl's `rollout.admission_order=alternate`
 does: odd steps (numbered from 1) shortest predicted first (each worker's planned order reversed), even steps
 longest first; the baselines keep arrival order, and sync keeps the plan's longest-first order.
+
+With `defer_tail` (the loop's `rollout.defer_tail`) each step but the last defers its tail (`deferral.py`) into
+the same worker's share of the next step, where it runs first: kept within `max_staleness` (re-prefilled, then
+decoding the rest) or run again from scratch.
 """
 
 from __future__ import annotations
