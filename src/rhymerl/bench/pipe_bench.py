@@ -113,7 +113,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         real_slots: int | None = None, max_tokens: int | None = None, temperature: float | None = None,
         seed: int = 0, ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
         out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
-        tier2: bool = True, real_data: str | None = None) -> dict:
+        tier2: bool = True, real_data: str | None = None, defer_tail: bool = True, max_staleness: int = 1) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
     "one_worker", one worker's FIFO vs longest-first (`run_real`), both on `real_workload(trace, real_data,
@@ -145,11 +145,12 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: is an existing file; the bench writes its Gantt charts into a directory")
     sim = simulate_trace(trace, priced, workers, slots, seed=seed, modes=modes, run_steps=run_steps,
-                         train_s=train_s, gantt_dir=out, rhyming=rhyming, tier2=tier2)
+                         train_s=train_s, gantt_dir=out, rhyming=rhyming, tier2=tier2, defer_tail=defer_tail,
+                         max_staleness=max_staleness)
     # "mode": the single step's (sync); the runs' modes are under "modes"
     summary = {"sim": sim.pop("workers"),
                "sim_info": {**sim, "slots": slots, "mode": "sync", "modes": list(modes), "run_steps": run_steps,
-                            "train_s": train_s},
+                            "train_s": train_s, "defer_tail": defer_tail, "max_staleness": max_staleness},
                "trace": str(trace), "cost_from": str(cost_from),
                "cost_model": cost_model.as_dict() | {"per_key_s": per_key, "prefill_per_pair_s": per_pair},
                "context_cost": context_info,
@@ -216,14 +217,17 @@ def print_mode_table(summary: dict, console: Console) -> None:
     if not rows:
         return
     t = Table(title=f"HistoPipe runs of {info['run_steps']} steps per mode, updates of {info['train_s']} s "
-                    f"(one_step_off: histopipe/oracle admit shortest first on odd steps, longest on even)")
-    for c in ("workers", "mode", "policy", "total s", "s / step", "bubble", "vs static", "vs sync"):
+                    f"(one_step_off: histopipe/oracle admit shortest first on odd steps, longest on even"
+                    + (f"; tails deferred, max_staleness {info['max_staleness']})" if info.get("defer_tail") else ")"))
+    for c in ("workers", "mode", "policy", "total s", "s / step", "bubble", "vs static", "vs sync", "deferred",
+              "rerun"):
         t.add_column(c, justify="right")
     last = None
     for w, mode, policy, r in rows:
         t.add_row(w if w != last else "", mode, policy, f"{r['total_s']:.3f}", f"{r['step_s']:.3f}",
                   f"{r['bubble']:.3f}", f"{r['speedup_vs_static']:.3f}x" if r.get("speedup_vs_static") else "-",
-                  f"{r['speedup_vs_sync']:.3f}x" if r.get("speedup_vs_sync") else "-")
+                  f"{r['speedup_vs_sync']:.3f}x" if r.get("speedup_vs_sync") else "-",
+                  str(r.get("deferred", "-")), str(r.get("rerun", "-")))
         last = w
     console.print(t)
     if summary.get("out"):

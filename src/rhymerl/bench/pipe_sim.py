@@ -26,6 +26,9 @@ next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off
 workers' bubbles alone). Each step is planned once and run in both modes. Per policy and mode: the run's
 wall time (`total_s`, up to its last update), the mean time per step (`step_s` = total / steps), the bubble
 ratio over the whole run, the speed-up over `static` and, in one_step_off, over the same policy in sync.
+one_step_off runs as the loop does with `rollout.stream` and (unless `defer_tail` is off, `--no-defer-tail`)
+`rollout.defer_tail`: each step but the last defers its tail into the next (`simulate_run`), under
+`max_staleness`; its entries add `deferred`, `rerun` and `rerun_tokens`.
 With `gantt_dir`, one Gantt chart per worker count (up to 64), policy and mode: `gantt_W_POLICY_MODE.png`.
 
 The JSON's "sim" holds, per worker count, the step's figures per policy as before and, under "modes", the
@@ -138,7 +141,8 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
                    slots: int = 32, policies: Sequence[str] = POLICIES, seed: int | None = 0,
                    modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
                    gantt_dir: str | Path | None = None, rhyming: Rhyming | None = None,
-                   migrations: Sequence[str] = MIGRATIONS, tier2: bool = True) -> dict:
+                   migrations: Sequence[str] = MIGRATIONS, tier2: bool = True, defer_tail: bool = True,
+                   max_staleness: int = 1) -> dict:
     """Part (a): per worker count (a string key, as in the JSON) and policy, the step's figures, and under
     "modes" the runs' (see the module doc); `seed` shuffles each step's arrival order (`draw_step`), or seeds
     the workload with `rhyming` (then `trace` is only its name); with `gantt_dir`, the Gantt charts (created
@@ -171,7 +175,8 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
                                             for _, ls, ps, _ in steps[1:]]
                      for p in policies}
             row["modes"] = simulate_modes([(ls, ps) for _, ls, ps, _ in steps], w, slots, cost_model, plans, modes,
-                                          train_s, gantt_dir if w <= GANTT_MAX_WORKERS else None)
+                                          train_s, gantt_dir if w <= GANTT_MAX_WORKERS else None, defer_tail,
+                                          max_staleness)
         out["workers"][str(w)] = rounded(row)
         hp = row.get("histopipe", {})
         log(f"{w} workers x {slots} slots, {row['groups']} groups: "
@@ -245,17 +250,26 @@ def trace_cap(rows: Sequence[dict]) -> int | None:
 
 
 def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],
-                   train_s: float, gantt_dir: str | Path | None = None) -> dict:
+                   train_s: float, gantt_dir: str | Path | None = None, defer_tail: bool = True,
+                   max_staleness: int = 1) -> dict:
     """Per mode and policy, the run of `steps` ((lengths, predicted) each) on the policy's `plans` (one per
-    step): its figures (see the module doc), and with `gantt_dir` its Gantt chart."""
+    step): its figures (see the module doc), and with `gantt_dir` its Gantt chart. With `defer_tail`,
+    one_step_off defers each step's tail (`rollout.defer_tail`) under `max_staleness` and counts what it
+    deferred and ran again."""
     out: dict = {}
     for mode in [m for m in MODES if m in modes]:  # sync first: one_step_off's speed-up is over it
         out[mode] = {}
         for policy, assignments in plans.items():
+            # one_step_off as the loop runs it with rollout.stream and rollout.defer_tail
+            defer = defer_tail and mode == "one_step_off"
             run = simulate_run([ls for ls, _ in steps], workers, policy, mode=mode, slots=slots,
-                               cost_model=cost_model, train_s=train_s, assignments=assignments)
+                               cost_model=cost_model, train_s=train_s, assignments=assignments,
+                               predicted=[ps for _, ps in steps], defer_tail=defer, max_staleness=max_staleness)
             out[mode][policy] = {"total_s": run.total, "step_s": run.total / len(steps),
                                  "bubble": bubble_ratio(run.timeline, span=run.total)}
+            if defer:
+                out[mode][policy] |= {"deferred": run.deferred, "rerun": run.rerun,
+                                      "rerun_tokens": run.rerun_tokens}
             if gantt_dir is not None:
                 write_gantt(Path(gantt_dir) / f"gantt_{workers}_{policy}_{mode}.png", run,
                             f"{policy}, {mode}, {workers} workers x {slots} slots, {len(steps)} steps")

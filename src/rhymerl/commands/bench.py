@@ -64,6 +64,9 @@ def cmd_bench_pipe(args) -> int:
         raise UserError(f"--run-steps {args.run_steps}: must be >= 0")
     if args.train_s < 0:
         raise UserError(f"--train-s {args.train_s}: must be >= 0")
+    if args.max_staleness < 1:
+        raise UserError(f"--max-staleness {args.max_staleness}: must be >= 1 (one_step_off trains on samples one "
+                        f"version old)")
     rhyming = None
     if args.trace == pipe_rhyming.RHYMING:
         values = {key: getattr(args, f"rhyming_{key}") for key, *_ in pipe_rhyming.OPTIONS}
@@ -77,7 +80,8 @@ def cmd_bench_pipe(args) -> int:
                              args.real, args.repeats, args.real_prompts, args.num_generations, args.real_slots,
                              args.max_tokens, args.temperature, args.seed, args.ray_workers, modes=modes,
                              run_steps=args.run_steps, train_s=args.train_s, out=args.out, rhyming=rhyming,
-                             context=args.context_cost, tier2=args.tier2, real_data=args.real_data)
+                             context=args.context_cost, tier2=args.tier2, real_data=args.real_data,
+                             defer_tail=args.defer_tail, max_staleness=args.max_staleness)
     return _report(pipe_bench, summary)
 
 
@@ -195,6 +199,13 @@ def add_parser(sub) -> None:
                          "migrated request's re-prefill): measured (SDPA on --model's shapes, extrapolated "
                          "linearly past 4,096 keys), given (0: contexts unpriced), or auto: measured with the "
                          "cost model, else the --cost-from file's per_key_s / prefill_per_pair_s, else 0")
+    bp.add_argument("--defer-tail", action=argparse.BooleanOptionalAction, default=True,
+                    help="the runs in one_step_off defer each step's tail into the next step, as the loop's "
+                         "rollout.defer_tail does")
+    bp.add_argument("--max-staleness", type=int, default=1,
+                    help="with --defer-tail: a deferred request keeps its tokens when they stay within this many "
+                         "versions of the weights that train them (rollout.max_staleness), else it runs again "
+                         "from scratch")
     bp.add_argument("--tier2", action=argparse.BooleanOptionalAction, default=True,
                     help="histopipe and oracle may split a long group over several workers (HistoPipe's tier 2)")
     for key, kind, default, what in pipe_rhyming.OPTIONS:

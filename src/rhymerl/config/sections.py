@@ -177,6 +177,13 @@ class RolloutSection(_Section):
     stream: bool = _opt(False, "mode=one_step_off: rollout as a stream, each worker's share of step t+1 queued "
                         "behind its share of step t, so that a worker done with step t starts step t+1 at once "
                         "(on the same weights, the same tokens); off = step t+1 starts when all of step t is in")
+    defer_tail: bool = _opt(False, "stream=true: a step's tail requests (the last 10% of a group's unfinished, "
+                            "grown past 1.2x the history's predicted longest) stop and continue first in their "
+                            "worker's share of the next step, re-prefilled; their group trains at the step where "
+                            "it completes (within max_staleness, else run again from scratch)")
+    max_staleness: int = _opt(1, "no token is trained more than this many weight versions after the weights that "
+                              "sampled it (0 in sync, 1 in one_step_off; a deferred request that would exceed it "
+                              "is run again from scratch, rollout/rerun)", check=">= 0")
     reward_aware_drafting: bool = _opt(False, "HistoSpec prefers branches that earlier responses with higher "
                                        "rewards took (the paper's reward-aware branch priority); the same tokens, "
                                        "other drafts")
@@ -196,7 +203,12 @@ class RolloutSection(_Section):
                  " (the stream queues step t+1 behind step t, one weights version behind)"),
                 ("stream", not (self.stream and self.migration), "false with rollout.migration=true",
                  " (migration moves a call's tail to idle workers; the stream fills their time with the next step "
-                 "instead)")]
+                 "instead)"),
+                ("defer_tail", not self.defer_tail or self.stream, "false unless rollout.stream=true",
+                 " (a deferred request continues in its worker's share of the next step, which the stream queues; "
+                 "sync mode is refused)"),
+                ("max_staleness", self.mode == "sync" or self.max_staleness >= 1, ">= 1 with rollout.mode="
+                 "one_step_off", " (it trains on samples of the weights one update older)")]
 
 
 @dataclass

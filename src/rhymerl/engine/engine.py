@@ -304,9 +304,9 @@ class Engine:
                  request_ids: list | None = None, progress: bool = False,
                  on_event: Callable[[StepEvent], None] | None = None, continuations: Iterable[Continuation] = (),
                  between_steps: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Run prompts (token ids) and adopted `continuations` to completion; results in input order, the
-        continuations' after the prompts'. An invalid request is rejected alone: its result has finish_reason
-        "error" and the message, the others complete. `between_steps` runs before every step (a step
+        """Run prompts (token ids) and adopted `continuations` to completion (the continuations queued first);
+        results in input order, the continuations' after the prompts'. An invalid request is rejected alone:
+        its result has finish_reason "error" and the message, the others complete. `between_steps` runs before every step (a step
         boundary): a request it hands over (`extract`) has no result here."""
         continuations = list(continuations)
         if not prompts and not continuations:
@@ -315,17 +315,17 @@ class Engine:
         ids = list(request_ids) if request_ids is not None else [f"req-{self._next_id + i}" for i in range(len(prompts))]
         self._next_id += len(prompts)
         results: dict = {}
+        for c in continuations:  # queued first: a continuation has the longest way behind it (deferral)
+            try:
+                self.adopt(c)
+            except ValueError as e:
+                results[c.request_id] = RequestOutput(c.request_id, list(c.prompt_ids), [], [], "error", error=str(e))
         for rid, prompt, p in zip(ids, prompts, params_list):
             try:
                 self.add_request(prompt, p, rid)
             except ValueError as e:
                 results[rid] = RequestOutput(rid, list(prompt), [], [], "error", error=str(e))
-        for c in continuations:
-            ids.append(c.request_id)
-            try:
-                self.adopt(c)
-            except ValueError as e:
-                results[c.request_id] = RequestOutput(c.request_id, list(c.prompt_ids), [], [], "error", error=str(e))
+        ids += [c.request_id for c in continuations]
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not progress)
         bar.update(len(results))
         while self.has_unfinished():

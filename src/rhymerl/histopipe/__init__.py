@@ -13,7 +13,8 @@ The parts, one module each:
   group split over several workers);
 - `timeline`: what a rollout step did, simulated or measured (`Timeline`: busy intervals, finish times);
 - `simulate`: a discrete-event simulation of a step on many workers (`simulate`), through the same `plan`;
-  `fleet`: every worker on one clock, so that requests can migrate (`simulate_fleet`);
+  `fleet`: every worker on one clock, so that requests can migrate (`simulate_fleet`); `deferral`: the
+  paper's tail rule (which requests migrate or are deferred to the next step) and the staleness bound;
 - `workload`: the seeded, calibrated `rhyming` length workload (`Rhyming`);
 - `metrics`: makespan, its lower bound, bubble ratio, first-to-last finish gap, tail time (`summary`).
 

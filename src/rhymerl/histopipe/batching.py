@@ -62,6 +62,14 @@ def run_cost(n: int, first: float, last: float, key_base: float, step_cost: Sequ
     return cost
 
 
+def reprefill_cost(cost: Cost, step_cost: Sequence[float], slots: int, tokens: float) -> float:
+    """Seconds to re-prefill `tokens` generated tokens (a migrated or deferred request, the prompt left out):
+    each at a full decode batch's per-token cost (a prefill is at least as efficient), plus the causal
+    attention's pairs when `cost` prices them (`ContextCost.prefill_per_pair`)."""
+    pair = cost.prefill_per_pair if isinstance(cost, ContextCost) else 0.0
+    return tokens * step_cost[slots] / slots + pair * tokens * (tokens + 1) / 2
+
+
 def decode_costs(cost: Cost, slots: int) -> list[float]:
     """Seconds of one decode step with n running sequences, for n = 0..slots (index 0 is 0.0).
 
@@ -87,11 +95,13 @@ class WorkerRun:
 
 
 def run_worker(lengths: Sequence[float], slots: int, step_cost: Sequence[float],
-               prefill: Sequence[float] | None = None, per_key: float = 0.0) -> WorkerRun:
+               prefill: Sequence[float] | None = None, per_key: float = 0.0,
+               done: Sequence[float] | None = None) -> WorkerRun:
     """Continuous batching of requests decoding `lengths` tokens each (admitted in this order) on `slots`
     slots, a step of n running sequences costing `step_cost[n]` seconds (`decode_costs`) plus `per_key` per
     key attended (see the module doc). A length below 1 counts as 1: every response decodes at least one
-    token (its end-of-sequence)."""
+    token (its end-of-sequence). `done[i]`: tokens request i already holds (a continuation: it attends to them
+    too)."""
     if len(step_cost) < slots + 1:
         raise ValueError(f"step_cost has {len(step_cost)} entries, needs slots + 1 = {slots + 1}")
     if prefill is not None and len(prefill) != len(lengths):
@@ -101,13 +111,13 @@ def run_worker(lengths: Sequence[float], slots: int, step_cost: Sequence[float],
     occupancy: list[tuple[float, int]] = []
     running: list[tuple[float, int]] = []  # heap of (the step count at which it finishes, request index)
     step, clock, queued, key_base = 0.0, 0.0, 0, 0.0
-    admitted = [0.0] * n  # the step each request was admitted at
+    admitted = [0.0] * n  # the step each request was admitted at, less the tokens it brought
     while True:
         while queued < n and len(running) < slots:  # refill the free slots before the next step
             if prefill is not None:
                 clock += prefill[queued]
-            start[queued], admitted[queued] = clock, step
-            key_base += step
+            start[queued], admitted[queued] = clock, step - (done[queued] if done is not None else 0.0)
+            key_base += admitted[queued]
             heapq.heappush(running, (step + max(float(lengths[queued]), 1.0), queued))
             queued += 1
         if not running:

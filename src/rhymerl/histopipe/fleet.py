@@ -35,7 +35,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from rhymerl.histopipe.batching import ContextCost, Cost, decode_costs, per_key_cost, run_cost
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost
+from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.timeline import Timeline
 
@@ -58,7 +59,7 @@ class _Worker:
 
 def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[Piece]], *, slots: int,
                    cost_model: Cost, predicted: Sequence[Sequence[float]], migration: str | None = None,
-                   tail_share: float = 0.1, grow: float = 0.2, predictor=None,
+                   tail_share: float = TAIL_SHARE, grow: float = GROW, predictor=None,
                    keys: Sequence[str] | None = None) -> tuple[Timeline, int]:
     """Run one sync step of `assignment` (per worker, its pieces in admission order) on the true `lengths`
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
@@ -71,7 +72,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     rid = {r: k for k, r in enumerate(reqs)}
     length = [max(float(lengths[g][i]), 1.0) for g, i in reqs]
     unfinished = [len(ls) for ls in lengths]
-    threshold = [(1 + grow) * max(predicted[g]) for g, _ in reqs]
+    threshold = [tail_threshold(max(predicted[g]), grow) for g, _ in reqs]
     workers = [_Worker([rid[(g, i)] for g, idx in pieces for i in idx]) for pieces in assignment]
     where = {r: w for w, wk in enumerate(workers) for r in wk.queue}
     if sorted(where) != list(range(len(reqs))):
@@ -79,16 +80,12 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     finish = [[0.0] * len(ls) for ls in lengths]
     events: list[tuple[float, int, int]] = []  # (time, worker, its version then)
     moved = 0
-    tail = [math.ceil(tail_share * len(ls)) for ls in lengths]  # a group's tail: its last unfinished requests
+    tail = [tail_size(len(ls), tail_share) for ls in lengths]  # a group's tail: its last unfinished requests
     candidates: set[int] = set()  # "tail": requests in their group's tail, grown past their threshold
     idle: set[int] = set()  # workers out of work
 
-    prefill_pair = cost_model.prefill_per_pair if isinstance(cost_model, ContextCost) else 0.0
-
-    def reprefill(tokens: float) -> float:
-        """Seconds to re-prefill `tokens` generated tokens on the new worker: each at a full decode batch's
-        per-token cost (a prefill is at least as efficient), plus the causal attention's pairs."""
-        return tokens * step_cost[slots] / slots + prefill_pair * tokens * (tokens + 1) / 2
+    def reprefill(tokens: float) -> float:  # on the new worker
+        return reprefill_cost(cost_model, step_cost, slots, tokens)
 
     def live_prediction(r: int) -> float:
         g = reqs[r][0]

@@ -28,14 +28,20 @@ the update of step t - lag), lag 1 for sync (which implies the whole of step t-1
 one_step_off. In one_step_off, `histopipe` and `oracle` admit as rhymerl's `rollout.admission_order=alternate`
 does: odd steps (numbered from 1) shortest predicted first (each worker's planned order reversed), even steps
 longest first; the baselines keep arrival order, and sync keeps the plan's longest-first order.
+
+With `defer_tail` (the loop's `rollout.defer_tail`) each step but the last defers its tail (`deferral.py`) into
+the same worker's share of the next step, where it runs first: kept within `max_staleness` (re-prefilled, then
+decoding the rest) or run again from scratch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from rhymerl.histopipe.batching import Cost, WorkerRun, decode_costs, per_key_cost, run_worker
+from rhymerl.histopipe.batching import Cost, WorkerRun, decode_costs, per_key_cost, reprefill_cost, run_worker
+from rhymerl.histopipe.deferral import continues, defer_on_worker, tail_size, threshold
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.plan import plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
@@ -69,12 +75,40 @@ def as_pieces(assignment: Sequence[Sequence[int | Piece]], lengths: Sequence[Seq
             for items in assignment]
 
 
+class _Carry(NamedTuple):
+    """A request deferred into a worker's next share: its group's index in the timeline, its index in the
+    group, its full length, the tokens it keeps (0: run again) and its re-prefill seconds."""
+
+    group: int
+    index: int
+    length: float
+    done: float
+    prefill: float
+
+
+@dataclass
+class _Defer:
+    """How a step defers its tail (`deferral.py`): per group of the step its `threshold` and `tail_size`;
+    whether a deferred request keeps its tokens (`deferral.continues`), and the run's counts so far."""
+
+    thresholds: list[float]
+    tails: list[int]
+    keeps: bool
+    deferred: int = 0
+    rerun: int = 0
+    rerun_tokens: float = 0.0
+
+
 def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[int | Piece]],
                  ready: Sequence[float], step_cost: Sequence[float], slots: int,
-                 prefill: Sequence[float] | None = None, per_key: float = 0.0) -> list[float | None]:
+                 prefill: Sequence[float] | None = None, per_key: float = 0.0,
+                 carried: list[list[_Carry]] | None = None, defer: _Defer | None = None,
+                 cost_model: Cost | None = None) -> list[float | None]:
     """Run one step's `assignment` on the true `lengths`, worker w starting at `ready[w]`, and append it to
     `timeline` (its groups after the ones already there). Returns each worker's end (None: given nothing).
-    A split group's worker in the timeline is its first piece's."""
+    A split group's worker in the timeline is its first piece's. `carried[w]`: requests of earlier steps that
+    worker w runs first (and replaced by what this step defers, when `defer` is given; `cost_model` prices
+    their re-prefill)."""
     assignment = as_pieces(assignment, lengths)
     _check_assignment(assignment, lengths)
     if prefill is not None and len(prefill) != len(lengths):
@@ -84,16 +118,36 @@ def _append_step(timeline: Timeline, lengths: Sequence[Sequence[int]], assignmen
     timeline.worker.extend([-1] * len(lengths))
     ends: list[float | None] = []
     for w, pieces in enumerate(assignment):
-        requests = [(g, i) for g, idx in pieces for i in idx]
-        if not requests:
+        old = carried[w] if carried is not None else []
+        # (timeline group, index, full length, tokens held, prefill seconds, deferrable)
+        items = [(c.group, c.index, c.length, c.done, c.prefill, False) for c in old]
+        # a group's prefill is paid where its first request runs (each piece of a split group pays its own)
+        items += [(first + g, i, float(lengths[g][i]), 0.0, 0.0 if prefill is None or i != idx[0] else prefill[g],
+                   defer is not None) for g, idx in pieces for i in idx]
+        if carried is not None:
+            carried[w] = []
+        if not items:
             ends.append(None)
             continue
-        # a group's prefill is paid where its first request runs (each piece of a split group pays its own)
-        pay = None if prefill is None else [prefill[g] if i == idx[0] else 0.0 for g, idx in pieces for i in idx]
-        run: WorkerRun = run_worker([lengths[g][i] for g, i in requests], slots, step_cost, pay, per_key)
+        cut = [None] * len(items)
+        if defer is not None:
+            cut = defer_on_worker([x[2] for x in items], [x[0] for x in items],
+                                  [defer.thresholds[x[0] - first] if x[5] else 0.0 for x in items],
+                                  [defer.tails[x[0] - first] if x[5] else 0 for x in items], slots,
+                                  [x[3] for x in items], [x[5] for x in items])
+        run: WorkerRun = run_worker([(x[2] if c is None else c) - x[3] for x, c in zip(items, cut)], slots, step_cost,
+                                    [x[4] for x in items] if any(x[4] for x in items) else None, per_key,
+                                    [x[3] for x in items])
         at = ready[w]
-        for (g, i), t in zip(requests, run.finish):
-            timeline.finish[first + g][i] = at + t
+        for (g, i, length, *_), c, t in zip(items, cut, run.finish):
+            if c is None:
+                timeline.finish[g][i] = at + t
+                continue
+            defer.deferred += 1
+            if not defer.keeps:  # run again from scratch on the next step's weights
+                defer.rerun, defer.rerun_tokens = defer.rerun + 1, defer.rerun_tokens + c
+            kept = c if defer.keeps else 0.0
+            carried[w].append(_Carry(g, i, length, kept, reprefill_cost(cost_model, step_cost, slots, kept)))
         for g, _ in pieces:
             if timeline.worker[first + g] < 0:
                 timeline.worker[first + g] = w
@@ -179,6 +233,9 @@ class SimulatedRun:
     timeline: Timeline
     rollouts: list[tuple[float, float]]
     updates: list[tuple[float, float]]
+    deferred: int = 0  # requests deferred into the next step (`defer_tail`)
+    rerun: int = 0  # ... of which run again from scratch (`max_staleness`)
+    rerun_tokens: float = 0.0  # the tokens those had generated, thrown away
 
     @property
     def total(self) -> float:
@@ -188,12 +245,17 @@ class SimulatedRun:
 def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, policy: str, *, mode: str = "sync",
                  slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
                  train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
-                 save_every: int = 0, **plan_kwargs) -> SimulatedRun:
+                 save_every: int = 0, defer_tail: bool = False, max_staleness: int = 1,
+                 **plan_kwargs) -> SimulatedRun:
     """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
     (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
     update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
     plan when already made by `plan` for `policy` (a bench running several modes plans once). `save_every`:
-    the loop's run.save_every, whose checkpoints make the next step wait for the last update (`ready_times`)."""
+    the loop's run.save_every, whose checkpoints make the next step wait for the last update (`ready_times`).
+    `defer_tail` (the loop's `rollout.defer_tail`, needs `predicted`): each step but the last and those that
+    end in a checkpoint defers its tail (`deferral.py`) into the same worker's share of the next step, run
+    first there; a deferred request's oldest token is trained `lag` versions after its weights (the mode's
+    lag below), so it keeps its tokens when that is at most `max_staleness`, else it runs again from scratch."""
     if mode not in _LAG:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if train_s < 0:
@@ -201,9 +263,15 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     for name, given in (("predictions", predicted), ("assignments", assignments)):
         if given is not None and len(given) != len(steps):
             raise ValueError(f"{len(steps)} steps but {len(given)} lists of {name}")
+    if max_staleness < _LAG[mode] - 1:
+        raise ValueError(f"max_staleness {max_staleness} is below {mode}'s own staleness {_LAG[mode] - 1}")
+    if defer_tail and predicted is None:
+        raise ValueError("defer_tail needs the predictions (each group's predicted longest member)")
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],
                         occupancy=[[] for _ in range(num_workers)])
+    carried: list[list[_Carry]] = [[] for _ in range(num_workers)]
+    counts = _Defer([], [], continues(0, _LAG[mode], max_staleness))
     worker_end = [0.0] * num_workers
     rollouts: list[tuple[float, float]] = []
     updates: list[tuple[float, float]] = []
@@ -214,7 +282,12 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
         if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
             assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
         ready = ready_times(worker_end, updates, t, mode, save_every)
-        ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots, per_key=per_key)
+        defers = defer_tail and t < len(steps) and not (save_every > 0 and t % save_every == 0)
+        if defers:
+            counts.thresholds = [threshold(max(p) if isinstance(p, Sequence) else p) for p in predicted[t - 1]]
+            counts.tails = [tail_size(len(g)) for g in lengths]
+        ends = _append_step(timeline, lengths, assignment, ready, step_cost, slots, per_key=per_key,
+                            carried=carried, defer=counts if defers else None, cost_model=cost_model)
         done = [e for e in ends if e is not None]
         start = min((r for r, e in zip(ready, ends) if e is not None), default=max(ready))
         end = max(done, default=start)
@@ -222,4 +295,4 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
         rollouts.append((start, end))
         begin = max(end, updates[-1][1] if updates else 0.0)  # one trainer: updates in turn
         updates.append((begin, begin + train_s))
-    return SimulatedRun(timeline, rollouts, updates)
+    return SimulatedRun(timeline, rollouts, updates, counts.deferred, counts.rerun, counts.rerun_tokens)

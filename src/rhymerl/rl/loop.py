@@ -8,12 +8,11 @@ epoch), every sampled token from randomness keyed by (seed, request id, position
 (step, prompt, generation); so a resumed run repeats the uninterrupted one exactly, and HistoSpec on or off
 gives the same rollouts (up to bf16 rounding).
 
-`rollout.mode=one_step_off` (Ray workers): once step t's rollout is recorded, a driver thread rolls out t+1
-on the weights step t trains from, joined before weights t+1 load (a weight load never races a rollout); the
-first step, and the one after each checkpoint, roll out synchronously (`rl/background_rollout.py`). With
-`rollout.stream` each worker queues its share of t+1 behind its share of t instead (`rl/streamed_rollout.py`):
-the same tokens, without waiting for the slowest worker. Each token's policy version comes back with it;
-`rollout/staleness_mean` and `_max` are over the step's tokens.
+`rollout.mode=one_step_off` (Ray workers, docs/design.md section 4): step t+1 rolls out on the weights step t
+trains from, in a driver thread (`rl/background_rollout.py`) or, with `rollout.stream`, queued on each worker
+behind its share of t (`rl/streamed_rollout.py`); `rollout.defer_tail` continues a step's tail in the next step
+and trains a group where it completes (`rl/group_assembly.py`). Each token's policy version comes back with it;
+no token is trained more than `rollout.max_staleness` versions after the weights that sampled it.
 
 `train.filter_groups` (DAPO's dynamic sampling, `rl/filtering.py`; sync only): a step draws batches until it
 holds prompts_per_step groups of unequal rewards; the data position, then ahead of the step, is checkpointed.
@@ -45,22 +44,17 @@ from rhymerl.rl.prompts import Prompt, batch_indices, load_prompts
 from rhymerl.rl.background_rollout import BackgroundRollout
 from rhymerl.rl.streamed_rollout import StreamedRollout
 from rhymerl.rl.filtering import GroupFilter
+from rhymerl.rl.group_assembly import GroupAssembly
 from rhymerl.rl.rewards import RewardBatch, RewardFunctionError, RewardScorer
 from rhymerl.rl.run_dir import CONFIG, claim, new_run_dir, record_overrides, recorded_overrides
 from rhymerl.rl.run_settings import resolve_machine_defaults, run_dtypes, worker_config
-from rhymerl.rl.step_metrics import (group_metrics, length_report, merged, rollout_metrics, staleness_metrics,
+from rhymerl.rl.step_metrics import (finished, group_metrics, length_report, merged, rollout_metrics, staleness_metrics,
                                      val_metrics)
 from rhymerl.process import deterministic_algorithms, release_freed_memory, setup_process
 from rhymerl.rl.trainer import PolicyTrainer, Sample
 from rhymerl.rollout import RolloutGroup, RolloutResult, SamplingParams
 from rhymerl.rollout.factory import make_pool, make_stream
 from rhymerl.rollout.timeline import append_timeline
-
-
-def finished(outputs) -> list[bool]:
-    """Per output, whether it ended on its own (EOS or a stop string) rather than at the length limit: the
-    scorer gives a cut-off completion no format reward."""
-    return [o.finish_reason != "length" for o in outputs]
 
 
 class TrainingRun:
@@ -119,8 +113,10 @@ class TrainingRun:
             self.trainer = PolicyTrainer(*trainer_args, **trainer_kw)
         # one_step_off: one driver thread rolls the next step out while this one trains (it only waits on Ray);
         # with rollout.stream the workers queue the next step behind this one instead
-        self.stream = StreamedRollout(make_stream(self.pool), self._request, cfg.train.total_steps,
-                                      cfg.run.save_every) if cfg.rollout.stream else None
+        self.stream = StreamedRollout(make_stream(self.pool, cfg.rollout.max_staleness), self._request,
+                                      cfg.train.total_steps, cfg.run.save_every,
+                                      cfg.rollout.defer_tail) if cfg.rollout.stream else None
+        self.assembly = GroupAssembly()  # rollout.defer_tail: groups waiting for a deferred request
         self.ahead = BackgroundRollout(one_step_off and self.stream is None, cfg.train.total_steps, cfg.run.save_every)
         self.scorer = RewardScorer.from_config(cfg.reward, cfg.rollout.max_completion_length)
         self.start_step, self.reward_errors = 0, 0
@@ -186,29 +182,31 @@ class TrainingRun:
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_tokens=r.max_completion_length, seed=self.cfg.run.seed)
 
-    def _draw(self, step: int, k: int) -> tuple[list[Prompt], RolloutResult, RewardBatch]:
+    def _draw(self, step: int, k: int) -> tuple[list[Prompt], list, RolloutResult, RewardBatch]:
         """Step `step`'s k-th rollout (k > 0: dynamic sampling) of the next batch of prompts, scored; request ids
-        train-s{step} (k = 0) or train-s{step}-d{k}. The first may have run in the background (one_step_off)."""
+        train-s{step} (k = 0) or train-s{step}-d{k}. The first may have run in the background (one_step_off).
+        Returns the groups complete now (`rollout.defer_tail`: earlier steps' too, this step's deferred wait):
+        their prompts and outputs (siblings in order), the result and the scores."""
         prompts = self._prompts_at(self.data_pos)
         self.data_pos += 1
-        G = self.cfg.rollout.num_generations
+        G, tag = self.cfg.rollout.num_generations, f"train-s{step}" + (f"-d{k}" if k else "")
         result = None if k else self.stream.take(step) if self.stream else self.ahead.take(step)
         if result is None:  # sync mode, a step that does not roll ahead, or a further draw
-            result = self._rollout(prompts, G, self._train_params(), f"train-s{step}" + (f"-d{k}" if k else ""),
-                                   step=step + 1)
-        outs = result.outputs
+            result = self._rollout(prompts, G, self._train_params(), tag, step=step + 1)
+        prompts, grouped = self.assembly.take(prompts, self._groups(prompts, G, tag), result)
+        outs = [o for g in grouped for o in g]
         t0 = time.perf_counter()
         scored = self.scorer.score([o.text for o in outs], [p.example for p in prompts for _ in range(G)],
                                    lengths=[len(o.token_ids) for o in outs],
                                    finished=finished(outs))
-        if scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
+        if outs and scored.errors == len(outs):  # nothing to learn from: stop rather than train on zero rewards
             raise RewardFunctionError(f"step {step + 1}: the reward failed on every completion ({len(outs)}); "
                                       f"the first: {scored.error_messages[0]}")
         self.reward_errors += scored.errors
         for msg in scored.error_messages[:3]:
             tqdm.write(f"[reward] step {step}: {msg}", file=sys.stderr)
         self.reward_s += time.perf_counter() - t0
-        return prompts, result, scored
+        return prompts, outs, result, scored
 
     def train_step(self, step: int) -> dict:
         """Run step `step` (0-based) and return its metrics: rollout (with `train.filter_groups`, more until
@@ -220,10 +218,10 @@ class TrainingRun:
         kept = GroupFilter(cfg.train.prompts_per_step, G, cfg.train.max_num_gen_batches)
         results, rhyme, traced, errors, timeouts = [], {}, [], 0, 0  # rhyme: the step's `length_report`
         while True:
-            prompts, result, scored = self._draw(step, len(results))
+            prompts, outs, result, scored = self._draw(step, len(results))
             results.append(result)
             errors, timeouts = errors + scored.errors, timeouts + scored.timeouts
-            groups = [(p, result.outputs[i * G:(i + 1) * G], scored.rewards[i * G:(i + 1) * G],
+            groups = [(p, outs[i * G:(i + 1) * G], scored.rewards[i * G:(i + 1) * G],
                        scored.correct[i * G:(i + 1) * G], scored.formatted[i * G:(i + 1) * G])
                       for i, p in enumerate(prompts)]
             lengths = [[len(o.token_ids) for o in outs] for _, outs, *_ in groups]
@@ -264,7 +262,7 @@ class TrainingRun:
             "critic/zero_std_frac": adv_stats["zero_std_frac"],
             "reward/errors": errors, "reward/errors_total": self.reward_errors, "reward/timeouts": timeouts,
             "epoch": ((self.data_pos - 1) * cfg.train.prompts_per_step) // len(self.train_prompts),
-            "history/tokens": self.history.size().get("tokens", 0),
+            "history/tokens": self.history.size().get("tokens", 0), "train/groups": len(train_groups),
             # 0 in sync mode; 1 in one_step_off for a step rolled out on the weights before the last update
             "rollout/staleness": step - results[0].weights_version,
             # the driver's time per phase, adding up to the step: a rollout run in the background during the
@@ -277,7 +275,8 @@ class TrainingRun:
         if self.ahead.enabled:  # how long the driver waited for the next step's rollout
             metrics["timing_s/rollout_wait"] = waited
         metrics |= scored.metrics() | rollout_metrics("rollout", result) | rhyme
-        metrics |= staleness_metrics(step, [o for _, outs, *_ in train_groups for o in outs])
+        metrics |= staleness_metrics(step, [o for _, outs, *_ in train_groups for o in outs], result,
+                                     cfg.rollout.max_staleness)
         metrics["reward/timeouts"] = timeouts  # over every draw of the step (scored.metrics has the last one's)
         return metrics
 
@@ -299,6 +298,9 @@ class TrainingRun:
 
     def save(self, step: int, metrics: dict | None = None) -> Path:
         """Checkpoint after `step` completed steps; `metrics` is that step's row, kept for a resume."""
+        if self.assembly.waiting:  # a step that ends in a checkpoint defers nothing (StreamedRollout.defers)
+            raise RuntimeError(f"checkpoint {step}: {len(self.assembly.waiting)} groups still wait for a deferred "
+                               f"request (a step that ends in a checkpoint must defer nothing)")
         trainer_state = self.trainer.state_dict()
         if self.cfg.model.lora_r > 0:  # base + adapters, for an exact resume (the HF weights are merged)
             trainer_state["lora_model"] = self.model.state_dict()

@@ -44,14 +44,29 @@ def rollout_metrics(prefix: str, result: RolloutResult) -> dict:
     return m | timeline_metrics(result, prefix)
 
 
-def staleness_metrics(version: int, outputs: Sequence) -> dict:
+def finished(outputs) -> list[bool]:
+    """Per output, whether it ended on its own (EOS or a stop string) rather than at the length limit: the
+    scorer gives a cut-off completion no format reward."""
+    return [o.finish_reason != "length" for o in outputs]
+
+
+def staleness_metrics(version: int, outputs: Sequence, result: RolloutResult | None = None,
+                      max_staleness: int | None = None) -> dict:
     """`rollout/staleness_mean` and `_max` over the trained tokens: how many versions the weights `version`
     the step trains from are past the weights that sampled each token (`RequestOutput.versions`; 0 in sync).
-    verl logs one figure per step; a stream with deferral mixes versions within a step and even a response."""
+    verl logs one figure per step; a stream with deferral mixes versions within a step and even a response.
+    With the step's `result`: `rollout/deferred` (its requests left for the next step) and `rollout/rerun`
+    (deferred ones run again from scratch). `max_staleness` (`rollout.max_staleness`, one rule for every
+    mode): a token trained further past its weights is an error."""
     ages = [version - v for o in outputs for v in o.versions]
+    m = {} if result is None else {"rollout/deferred": len(result.deferred),
+                                   "rollout/rerun": sum(w.reruns for w in result.workers)}
     if not ages:  # no tokens (or a pool that stamps no versions)
-        return {}
-    return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": max(ages)}
+        return m
+    if max_staleness is not None and max(ages) > max_staleness:
+        raise RuntimeError(f"step {version + 1}: a token is trained {max(ages)} versions after the weights that "
+                           f"sampled it, past rollout.max_staleness={max_staleness}")
+    return m | {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": max(ages)}
 
 
 def length_report(history: HistoryStore, prompt_ids: Sequence[list[int]], group_lengths: Sequence[list[int]],

@@ -8,6 +8,10 @@ on the same version as without the stream, and its tokens are the same (keyed ra
 when: a worker no longer idles until the slowest worker of step t is done and the driver has scored step t.
 The weights of version t+1, published after step t's update, go to the shares submitted from then on.
 
+With `rollout.defer_tail` a step's tail requests stop and run first in their worker's share of the next step
+(`rollout/deferral.py`); the loop trains a group at the step where its last request comes back
+(`rl/group_assembly.py`).
+
 The plan and the history slices of step t+1 are made when it is submitted, before step t is recorded: they
 see the history up to step t-1 (a prompt of step t drafting in step t+1 is the exception, at an epoch's end).
 HistoSpec is lossless, so this changes drafts, not tokens.
@@ -32,14 +36,21 @@ Request = Callable[[int], tuple[list[RolloutGroup], SamplingParams, int]]
 class StreamedRollout:
     """The training steps' rollouts through a `RayStream`: `take(step)` (see the module doc)."""
 
-    def __init__(self, stream: RayStream, request: Request, total_steps: int, save_every: int):
+    def __init__(self, stream: RayStream, request: Request, total_steps: int, save_every: int,
+                 defer_tail: bool = False):
         self.stream, self.request = stream, request
-        self.total_steps, self.save_every = total_steps, save_every
+        self.total_steps, self.save_every, self.defer_tail = total_steps, save_every, defer_tail
         self._submitted: dict[int, StreamedStep] = {}
+
+    def defers(self, step: int) -> bool:
+        """Whether step `step` (0-based) defers its tail (`rollout.defer_tail`) into step + 1: not the last step,
+        nor one that ends in a checkpoint (the step after it runs on the checkpoint's weights, and a checkpoint
+        holds no request in flight: a resume stays exact)."""
+        return self.defer_tail and rolls_ahead(step + 1, self.total_steps, self.save_every)
 
     def _submit(self, step: int) -> None:
         if step not in self._submitted:
-            self._submitted[step] = self.stream.submit(*self.request(step))
+            self._submitted[step] = self.stream.submit(*self.request(step), train=True, defer=self.defers(step))
 
     def take(self, step: int) -> RolloutResult:
         """Step `step`'s rollout: submitted now unless it was (on the current weights), step + 1's submitted

@@ -72,9 +72,9 @@ def make_pool(config: WorkerConfig, ray_address: str, policy: Decoder, tokenizer
     raise ValueError(f"unknown rollout backend {r.backend!r} (local or ray)")
 
 
-def make_stream(pool: RolloutPool):
+def make_stream(pool: RolloutPool, max_staleness: int = 1):
     """`rollout.stream`: a `ray_stream.RayStream` over a Ray pool's workers (the stream needs the Ray backend:
-    the config's rules refuse it otherwise)."""
+    the config's rules refuse it otherwise); `max_staleness`: `rollout.max_staleness`, for deferred requests."""
     from rhymerl.rollout import ray_stream  # the optional backend's import, where it is chosen
 
-    return ray_stream.RayStream(pool)
+    return ray_stream.RayStream(pool, max_staleness)

@@ -115,19 +115,27 @@ class WorkerActor:
                 continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
         return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
 
-    @ray.method(concurrency_group="stream")
+    @ray.method(concurrency_group="stream", num_returns=2)
     def stream_rollout(self, seq: int, weights: dict[str, np.ndarray] | None, version: int,
                        groups: list[RolloutGroup], params: SamplingParams, history: dict,
-                       step: int | None) -> tuple[list[RequestOutput], WorkerStats]:
+                       step: int | None, defer: bool = False, max_staleness: int = 1,
+                       *carry: list[Continuation]
+                       ) -> tuple[tuple[list[RequestOutput], WorkerStats], list[Continuation]]:
         """`RayStream`'s share: load weights `version` first if this worker holds another (the share carries
         them, so it runs right where the worker's previous share ended, and a share run again after a failure
         or out of order still gets its own version), then roll out. `weights` None: the version the pool
         started its workers on (the worker refuses the share if it holds another). `seq`: the share's place in
-        this actor's queue (0, 1, ...): shares enter the compute thread in that order (see above)."""
+        this actor's queue (0, 1, ...): shares enter the compute thread in that order (see above).
+        `rollout.defer_tail`: `defer`, `max_staleness` as in `RolloutWorker.rollout`, and `carry`, the lists of
+        what earlier shares deferred, run first (each a top-level argument, so Ray resolves it); the second return
+        is what the share deferred (its own object: the worker's next training share takes it as its `carry`)."""
         def run():
             if self.worker.weights_version != version and weights is not None:
                 self.worker.load_weights(_from_store(weights, parse_dtype(self.worker.config.rollout.dtype)), version)
-            return self.worker.rollout(groups, params, history, version, step)
+            out = self.worker.rollout(groups, params, history, version, step, carry=[c for cs in carry for c in cs],
+                                      defer=defer,
+                                      max_staleness=max_staleness)
+            return out, out[1].deferred
         with self._stream_turn:
             self._stream_turn.wait_for(lambda: self._stream_next == seq)
             done = self._compute.submit(run)  # the compute thread runs its queue in order

@@ -15,6 +15,12 @@ out of submission order, still runs on its own version. Every token of a step is
 version (the loop asks for the same version as without the stream, so the tokens are the same), and each
 output's `versions` records it per token.
 
+`rollout.defer_tail`: a training step gives every worker a share, and each share takes what the same worker's
+previous training share deferred (that share's second return object, a top-level argument that Ray resolves
+when it is ready) and runs it first (`rollout/deferral.py`); those requests' outputs come back with this step,
+their ids missing from the step they were deferred from (`RolloutResult.deferred`). A request deferred by a
+worker that was dropped goes to the first worker's next share.
+
 Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
 starts on the pool's weights and loads each share's own version) and every share it still owed, of every step in
 flight, runs again (keyed randomness: the same tokens). Migration and
@@ -50,37 +56,58 @@ class StreamedStep:
     version: int
     weights: ray.ObjectRef | None  # None: the version the pool's workers started on
     shares: list[tuple[list[RolloutGroup], dict]] = field(default_factory=list)
-    pending: dict[int, tuple[int, ray.ObjectRef]] = field(default_factory=dict)  # share -> (worker, reply)
+    pending: dict[int, tuple[int, ray.ObjectRef, ray.ObjectRef]] = field(default_factory=dict)  # share -> (worker,
+    # reply, what it deferred)
     done: dict[int, tuple[list[RequestOutput], WorkerStats]] = field(default_factory=dict)
+    defer: bool = False  # rollout.defer_tail: its shares may defer their tails into the next step's
+    carry: dict[int, list[tuple["StreamedStep", int]]] = field(default_factory=dict)  # share -> earlier shares
+    # whose deferred requests it runs first
+
+    def deferred(self, k: int) -> ray.ObjectRef | list:
+        """What share `k` deferred: its reply's object while pending, the list once done."""
+        return self.pending[k][2] if k in self.pending else self.done[k][1].deferred
 
 
 class RayStream:
     """Submit steps to a `RayPool`'s workers ahead of time and collect each when its groups are all in (see
     the module doc). `publish` replaces the pool's `load_weights`."""
 
-    def __init__(self, pool: RayPool):
-        self.pool = pool
+    def __init__(self, pool: RayPool, max_staleness: int = 1):
+        self.pool, self.max_staleness = pool, max_staleness
         self._in_flight: list[StreamedStep] = []  # submitted and not collected, in submission order
         # the weights the next shares run on, once published; before, the version the pool's workers hold
         self._published: tuple[int, ray.ObjectRef] | None = None
         self._queued: dict[int, int] = {}  # worker -> shares sent to its actor (the next one's `seq`)
+        # rollout.defer_tail: worker -> its last training share (step, share), whose deferred requests its next
+        # training share runs first
+        self._last_train: dict[int, tuple[StreamedStep, int]] = {}
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Weights `version`, for the shares submitted from now on: put in the object store once (as
         `RayPool.load_weights` puts them); no worker is interrupted or waited for."""
         self._published = (version, ray.put(to_store(params, parse_dtype(self.pool.config.rollout.dtype))))
 
-    def submit(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> StreamedStep:
+    def submit(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None,
+               train: bool = False, defer: bool = False) -> StreamedStep:
         """Queue each worker's share of `groups` on the current weights version; `step` as in `RayPool.rollout`
-        (the admission order's step number). The history slices are the pool's history as of now."""
+        (the admission order's step number). The history slices are the pool's history as of now.
+        `train`: a training step's (with `rollout.defer_tail`: every worker gets a share, which first runs what
+        the worker's previous training share deferred); `defer`: its shares may defer their tails."""
         pool = self.pool
         version, weights = self._published or (pool.weights_version, None)
-        s = StreamedStep(list(groups), params, step, version, weights)
+        s = StreamedStep(list(groups), params, step, version, weights, defer=defer)
+        orphans = [src for w, src in self._last_train.items() if w not in pool.workers] if train else []
         for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers), params.max_tokens)):
-            if share:
+            if share or train:
                 picked = [s.groups[i] for i in share]
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
-                self._send(s, len(s.shares) - 1, w)
+                k = len(s.shares) - 1
+                if train:  # a dropped worker's deferred requests go to the first worker's share
+                    s.carry[k] = ([self._last_train[w]] if w in self._last_train else []) + (orphans if k == 0 else [])
+                    self._last_train[w] = (s, k)
+                self._send(s, k, w)
+        if train:
+            self._last_train = {w: src for w, src in self._last_train.items() if w in pool.workers}
         self._in_flight.append(s)
         return s
 
@@ -88,15 +115,16 @@ class RayStream:
         share, history = s.shares[k]
         seq = self._queued.get(worker, 0)
         self._queued[worker] = seq + 1
-        ref = self.pool.actors[worker].stream_rollout.remote(seq, s.weights, s.version, share, s.params, history,
-                                                             s.step)
-        s.pending[k] = (worker, ref)
+        carry = [src.deferred(j) for src, j in s.carry.get(k, [])]  # top-level arguments: Ray resolves them
+        ref, deferred = self.pool.actors[worker].stream_rollout.remote(
+            seq, s.weights, s.version, share, s.params, history, s.step, s.defer, self.max_staleness, *carry)
+        s.pending[k] = (worker, ref, deferred)
 
     def collect(self, s: StreamedStep) -> RolloutResult:
         """Wait until every group of `s` is in; the step's result. Its wall interval runs from the first of its
         shares to start on a worker to the last to finish (a streamed step has no call of its own)."""
         while s.pending:
-            by_ref = {ref: k for k, (_, ref) in s.pending.items()}
+            by_ref = {ref: k for k, (_, ref, _) in s.pending.items()}
             ready, _ = ray.wait(list(by_ref), num_returns=1)
             k = by_ref[ready[0]]
             try:
@@ -105,14 +133,19 @@ class RayStream:
             except RayActorError as e:
                 self._failed(s.pending[k][0], f"died ({type(e).__name__})")
         self._in_flight.remove(s)
+        s.carry.clear()  # its shares are done: nothing is sent again, so the earlier steps need not stay alive
         by_id = {o.request_id: o for k in sorted(s.done) for o in s.done[k][0]}
-        missing = [rid for g in s.groups for rid in g.request_ids if rid not in by_id]
-        if missing:
-            raise RuntimeError(f"rollout stream: requests {missing[:3]} came back from no worker (every request of "
-                               f"a step must come back once)")
         stats = [s.done[k][1] for k in sorted(s.done)]
-        return RolloutResult([by_id[rid] for g in s.groups for rid in g.request_ids], stats, s.version,
-                             started=min(w.started for w in stats), finished=max(w.finished for w in stats))
+        deferred = [c.request_id for w in stats for c in w.deferred]
+        own = [rid for g in s.groups for rid in g.request_ids]
+        missing = set(own) - by_id.keys() - set(deferred)
+        if missing:
+            raise RuntimeError(f"rollout stream: requests {sorted(missing)[:3]} came back from no worker (every "
+                               f"request of a step must come back once, or be deferred)")
+        mine = set(own)  # then the requests of earlier steps that these shares carried
+        outputs = [by_id[rid] for rid in own if rid in by_id] + [o for o in by_id.values() if o.request_id not in mine]
+        return RolloutResult(outputs, stats, s.version, started=min(w.started for w in stats),
+                             finished=max(w.finished for w in stats), deferred=deferred)
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         """Submit and collect at once (validation): queued behind the shares in flight."""
@@ -124,13 +157,13 @@ class RayStream:
         restarted = self.pool.replace_worker(worker, why)
         self._queued.pop(worker, None)  # a fresh actor counts its shares from 0
         for s in self._in_flight:
-            for k in [k for k, (w, _) in s.pending.items() if w == worker]:
+            for k in [k for k, (w, *_) in s.pending.items() if w == worker]:
                 self._send(s, k, worker if restarted else self._least_busy())
 
     def _least_busy(self) -> int:
         owed = {w: 0 for w in self.pool.workers}
         for s in self._in_flight:
-            for w, _ in s.pending.values():
+            for w, *_ in s.pending.values():
                 if w in owed:
                     owed[w] += 1
         return min(owed, key=owed.__getitem__)

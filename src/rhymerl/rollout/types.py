@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 
 from rhymerl.engine.stats import EngineStats
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import RequestOutput
+from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.histospec.stats import SpecStats
 
 
@@ -59,6 +59,10 @@ class WorkerStats:
     finished: float = 0.0  # ... and ended it
     history_prompts_replaced: int = 0  # prompts of its history replica brought up to date by the call
     spans: list[RequestSpan] = field(default_factory=list)  # its timeline: one per request, in the order given
+    # rollout.defer_tail: requests of the share stopped for the worker's next share (rollout/deferral.py), and
+    # how many carried from its previous share ran again from scratch (rollout.max_staleness)
+    deferred: list[Continuation] = field(default_factory=list)
+    reruns: int = 0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class RolloutResult:
     weights_version: int
     started: float = 0.0
     finished: float = 0.0
+    deferred: list = field(default_factory=list)  # rollout.defer_tail: request ids left for the next step
 
     def engine_totals(self) -> EngineStats:
         """The workers' engine stats added up."""

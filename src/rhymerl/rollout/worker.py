@@ -21,6 +21,7 @@ from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
+from rhymerl.rollout.deferral import TailDeferral, carried
 from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
 
 
@@ -90,6 +91,7 @@ class RolloutWorker:
         self._call_cap: int | None = None  # the call's max_tokens: a recorded length there was cut (censored)
         self._predictor: LengthPredictor | None = None
         self._prior: dict = {}  # request id -> the token versions a continuation brought, for the running call
+        self._deferral: TailDeferral | None = None  # the running call's (rollout.defer_tail)
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
         """The order the groups enter the engine's queue (`rollout.admission_order`: "fifo" as given,
@@ -136,12 +138,16 @@ class RolloutWorker:
 
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int, step: int | None = None,
-                continuations: Sequence[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
+                continuations: Sequence[Continuation] = (), carry: Sequence[Continuation] = (),
+                defer: bool = False, max_staleness: int = 1) -> tuple[list[RequestOutput], WorkerStats]:
         """Every request of `groups` to completion, after bringing the history replica up to date with
         `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`.
         `step`: the training step the call rolls out (from 1; None for validation), for the admission order.
-        `continuations`: requests another worker handed over (`hand_over`), adopted after the groups; their
-        outputs come after the groups'. A request this worker hands over meanwhile has no output here."""
+        `continuations`: requests another worker handed over (`hand_over`), adopted before the groups; their
+        outputs come after the groups'. A request this worker hands over meanwhile has no output here.
+        `rollout.defer_tail` (rollout/deferral.py; `step` is then a training step's): `carry`, what this worker's
+        previous training share deferred, runs first (continued, or from scratch past `max_staleness`; its
+        outputs come last); with `defer`, the share's tail requests are stopped into `stats.deferred`."""
         if weights_version != self.weights_version:
             raise StaleWeightsError(f"worker {self.worker_id} holds weights version {self.weights_version}, "
                                     f"the rollout asks for version {weights_version}")
@@ -150,16 +156,21 @@ class RolloutWorker:
         self._call_prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in continuations]
         self._call_cap, self._predictor = params.max_tokens, None
         self.engine.take_stats()  # this call's counters start here
+        keep, rerun = carried(carry, (step or 1) - 1, max_staleness)  # training step s trains from version s - 1
+        stats.reruns = len(rerun)
         order = self.admission_order(groups, step)
-        prompts = [g.prompt_ids for g in order for _ in g.request_ids]
-        ids = [rid for g in order for rid in g.request_ids]
+        prompts = [c.prompt_ids for c in rerun] + [g.prompt_ids for g in order for _ in g.request_ids]
+        ids = [c.request_id for c in rerun] + [rid for g in order for rid in g.request_ids]
+        continuations = list(keep) + list(continuations)  # adopted before the prompts (Engine.generate)
+        self._deferral = TailDeferral(groups, self._predict_longest) if defer else None
         # The engine times a request from its arrival, when generate queues it, microseconds after wall0:
         # wall0 + queued_s dates its admission to a slot (never before wall0), wall0 + total_s its end.
         wall0 = time.time()
         # the versions of the tokens a continuation brings (sampled before it came here); its new ones are ours
         self._prior = {c.request_id: self._known_versions(c) for c in continuations}
-        by_id = {o.request_id: o for o in self._generate(prompts, params, ids, list(continuations))}
-        given = [rid for g in groups for rid in g.request_ids] + [c.request_id for c in continuations]
+        by_id = {o.request_id: o for o in self._generate(prompts, params, ids, continuations)}
+        given = ([rid for g in groups for rid in g.request_ids] + [c.request_id for c in continuations]
+                 + [c.request_id for c in rerun])
         # back in the order given; what was handed over (hand_over) is the adopting worker's to return
         outputs = [by_id[rid] for rid in given if rid in by_id]
         for o in outputs:
@@ -167,9 +178,18 @@ class RolloutWorker:
         stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
                        for o in outputs]
         stats.requests = len(outputs)
+        if self._deferral is not None:
+            stats.deferred = self._deferral.deferred
+            for c in stats.deferred:
+                c.versions = self._stamped(c.request_id, len(c.output_ids))
         stats.engine, stats.spec = self.engine.take_stats()
         stats.finished = time.time()
         return outputs, stats
+
+    def _predict_longest(self, prompt_ids: list[int], size: int) -> float:
+        """The predicted longest of a group of `size` requests of this prompt (the running call's predictor)."""
+        self._predict(prompt_ids)  # builds the call's predictor
+        return max(self._predictor.predict_group(prompt_ids, size))
 
     def _known_versions(self, c: Continuation) -> list[int]:
         """A continuation's token versions; one that carries none was sampled on this worker's version (a
@@ -211,13 +231,18 @@ class RolloutWorker:
             self._generating = True
         try:
             return self.engine.generate(prompts, params, request_ids=ids, continuations=continuations,
-                                        between_steps=self._serve_handover)
+                                        between_steps=self._between_steps)
         finally:
             with self._handover_lock:
                 self._generating = False
                 request, self._handover = self._handover, None
             if request is not None:  # the call ended before its next step: nothing to hand over
                 request.done.set()
+
+    def _between_steps(self) -> None:
+        self._serve_handover()
+        if self._deferral is not None:
+            self._deferral.check(self.engine)
 
     def _serve_handover(self) -> None:
         with self._handover_lock:
