@@ -1,6 +1,6 @@
 """The Ray actor behind `RayPool` (`rollout.backend=ray`): one `RolloutWorker` in a process of its own. One of
-the Ray backend's two modules (with `ray_pool`, which drives the actors); no other module of rhymerl imports
-ray.
+the Ray backend's modules (with `ray_pool` and `ray_call`, which drive the actors, and `ray_stream`); no other
+module of rhymerl imports ray.
 
 - **Start-up**: an actor gets the model directory (the architecture), the `WorkerConfig`, the run's seed and
   device, its torch thread count (`worker_resources`: its share of the CPU cores; Ray sets OMP threads to 1,

@@ -1,5 +1,6 @@
 """The Ray rollout pool (`rollout.backend=ray`): one Ray actor per worker (`ray_actor.WorkerActor`), each a
-`RolloutWorker` in a process of its own. Only the Ray backend (this module, `ray_actor`, `ray_stream`) imports ray.
+`RolloutWorker` in a process of its own; `ray_call.RayCall` drives one call (shares, faults, migration).
+Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) imports ray.
 
 - **Cluster**: `connect(address)`: '' starts a fresh local cluster (`ray.init(address="local")`, never a
   stray one that happens to run), 'auto' or 'host:port' joins a running one (`ray start --head`). A process
@@ -30,11 +31,10 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import ray
 import torch
@@ -42,7 +42,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.histopipe.plan import SCHEDULES, plan
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
@@ -50,18 +49,11 @@ from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 # The actor moved to ray_actor; WorkerActor and worker_resources stay importable from here.
 from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
+from rhymerl.rollout.ray_call import RayCall
 from rhymerl.errors import UserError
 from rhymerl.rollout.types import (RolloutGroup, RolloutResult, StaleWeightsError, WorkersFailed, WorkerStats,
                                     first_line)
 from rhymerl.rollout.worker import WorkerConfig
-
-
-class _Sent(NamedTuple):
-    """A share sent to a worker: which worker, its reply, and when it counts as late (time.monotonic)."""
-
-    worker: int
-    reply: ray.ObjectRef
-    deadline: float
 
 
 def connect(address: str = "") -> None:
@@ -79,12 +71,6 @@ def connect(address: str = "") -> None:
 # sequences costing 3x one of 1, the shape of a small model on a few CPU cores. Only its shape matters to the
 # plan: how much a step slows with the sequences it runs.
 DEFAULT_PLAN_COST = CostModel([1, 64], [1, 2], [[0.010, 0.011], [0.030, 0.050]])
-
-
-def _cause(error: RayTaskError) -> str:
-    """'Type: first line' of the exception a remote call raised (Ray wraps it with the remote traceback)."""
-    cause = getattr(error, "cause", None) or error
-    return f"{type(cause).__name__}: {first_line(cause)}"
 
 
 def _last_line(error: Exception) -> str:
@@ -174,7 +160,7 @@ class RayPool:
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
-        call = _Call(self, params, step)
+        call = RayCall(self, params, step)
         for share, w in zip(self.split(groups, len(self.actors), params.max_tokens), self.workers):
             if share:
                 call.send(call.add_share([groups[i] for i in share], []), w)
@@ -254,97 +240,3 @@ class RayPool:
         for a in self.actors.values():
             ray.kill(a, no_restart=True)
         self.actors = {}
-
-
-class _Call:
-    """One `RayPool.rollout` call in flight, its state explicit: the shares (a share is groups in admission
-    order, or continuations moved to an idle worker; share k's history slice is `slices[k]`), the shares sent
-    and not answered yet (`pending`, by share) and the answers (`done`, by share). `run` is the event loop:
-    wait for the first answer or deadline; an answer is done and may start a migration, an actor that died or
-    is late has its shares sent again (`RayPool.replace_worker`)."""
-
-    def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
-        self.pool, self.params, self.step = pool, params, step
-        self.shares: list[tuple[list[RolloutGroup], list[Continuation]]] = []
-        self.slices: list[dict] = []
-        self.pending: dict[int, _Sent] = {}
-        self.done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
-
-    def add_share(self, groups: list[RolloutGroup], moved: list[Continuation]) -> int:
-        """A new share and the history slice of its prompts; its index."""
-        self.shares.append((groups, moved))
-        prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in moved]
-        self.slices.append(self.pool.history.export(prompts))
-        return len(self.shares) - 1
-
-    def send(self, k: int, w: int) -> None:
-        """Share k to worker w; one queued behind another share of the same worker waits for it, so its
-        deadline starts after that one's."""
-        groups, moved = self.shares[k]
-        pool = self.pool
-        reply = pool.actors[w].rollout.remote(groups, self.params, self.slices[k], pool.weights_version, self.step,
-                                              moved)
-        after = max([time.monotonic()] + [s.deadline for s in self.pending.values() if s.worker == w])
-        self.pending[k] = _Sent(w, reply, after + pool.timeout_s if pool.timeout_s else math.inf)
-
-    def run(self) -> dict[int, tuple[list[RequestOutput], WorkerStats]]:
-        """Until every share is answered: the answers by share."""
-        while self.pending:
-            first = min(s.deadline for s in self.pending.values())
-            ready, _ = ray.wait([s.reply for s in self.pending.values()], num_returns=1,
-                                timeout=None if first == math.inf else max(0.0, first - time.monotonic()))
-            for reply in ready:
-                self._receive(reply)
-            late = {s.worker for s in self.pending.values() if s.deadline <= time.monotonic()}
-            for w in sorted(late):
-                self._failed(w, f"did not answer within {self.pool.timeout_s:g}s")
-        return self.done
-
-    def _receive(self, reply: ray.ObjectRef) -> None:
-        k = next((k for k, s in self.pending.items() if s.reply == reply), None)
-        if k is None:  # sent again meanwhile
-            return
-        try:
-            self.done[k] = ray.get(reply)
-            del self.pending[k]
-        except RayActorError as e:
-            self._failed(self.pending[k].worker, f"died ({type(e).__name__})")
-        except StaleWeightsError:  # raised through Ray: the caller's mistake, not the worker's fault
-            raise
-        except RayTaskError as e:  # its rollout raised: as in the local pool, a fresh worker runs it again
-            self._failed(self.pending[k].worker, f"raised {_cause(e)}")
-        else:
-            self._migrate(self.done[k][1].worker)
-
-    def _failed(self, w: int, why: str) -> None:
-        """Worker w failed: its shares run again, on w restarted or on the least busy worker."""
-        moved = [k for k, s in self.pending.items() if s.worker == w]
-        for k in moved:
-            del self.pending[k]
-        restarted = self.pool.replace_worker(w, why)
-        for k in moved:
-            self.send(k, w if restarted else self._least_busy())
-
-    def _least_busy(self) -> int:
-        return min(self.pool.actors, key=lambda w: sum(s.worker == w for s in self.pending.values()))
-
-    def _migrate(self, idle: int) -> None:
-        """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
-        (most pending requests) hands over some of its unfinished requests, sent to `idle` as a new share."""
-        pool = self.pool
-        if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
-            return
-        load: dict[int, int] = {}  # busy worker -> its pending requests
-        for k, s in self.pending.items():
-            groups, moved = self.shares[k]
-            load[s.worker] = load.get(s.worker, 0) + sum(len(g.request_ids) for g in groups) + len(moved)
-        if not load:
-            return
-        donor = max(sorted(load), key=load.__getitem__)
-        try:
-            moved = ray.get(pool.actors[donor].hand_over.remote(), timeout=pool.timeout_s)
-        except (RayActorError, GetTimeoutError):
-            return  # the donor's fault is for its rollout call to report
-        if moved:
-            self.send(self.add_share([], moved), idle)
-            pool.migrations += len(moved)
