@@ -40,6 +40,10 @@ from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.timeline import Timeline
 
 MIGRATIONS = ("half_busiest", "tail", "steal", "steal+tail")
+POOL_MIGRATIONS = MIGRATIONS[:2]  # rollout.migration_rule's choices: the rules the Ray pool runs too
+# The paper's rule's two figures, as issue 32 states them; the real workers' `hand_over(rule="tail")` reads them too
+TAIL_SHARE = 0.1  # a request is in its group's tail among the last 10% of the group's unfinished requests
+TAIL_GROW = 0.2  # ... and moves once it has grown past 1.2x its group's predicted longest member
 
 
 class _Worker:
@@ -58,7 +62,7 @@ class _Worker:
 
 def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequence[Piece]], *, slots: int,
                    cost_model: Cost, predicted: Sequence[Sequence[float]], migration: str | None = None,
-                   tail_share: float = 0.1, grow: float = 0.2, predictor=None,
+                   tail_share: float = TAIL_SHARE, grow: float = TAIL_GROW, predictor=None,
                    keys: Sequence[str] | None = None) -> tuple[Timeline, int]:
     """Run one sync step of `assignment` (per worker, its pieces in admission order) on the true `lengths`
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted

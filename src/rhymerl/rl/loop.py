@@ -104,7 +104,8 @@ class TrainingRun:
                               self.model_dir, worker, self.history, seed=cfg.run.seed, device=device,
                               cost_model=cost_model, max_worker_restarts=cfg.rollout.max_worker_restarts,
                               worker_timeout_s=cfg.rollout.worker_timeout_s, schedule=cfg.rollout.schedule,
-                              migration=cfg.rollout.migration)
+                              migration=cfg.rollout.migration, migration_rule=cfg.rollout.migration_rule,
+                              tier2=cfg.rollout.tier2)
         if lora:  # after make_pool, which copies the plain Decoder (it refuses one with adapters)
             add_lora(self.model, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_dropout)
         # ---- data, trainer, rewards ----

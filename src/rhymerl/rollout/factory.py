@@ -38,14 +38,16 @@ def check_ray_address(address: str, timeout_s: float = 3.0) -> None:
 def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder, tokenizer,
               model_dir: str | os.PathLike, worker_config: WorkerConfig, history: HistoryStore, *, seed: int = 0,
               device: str = "cpu", cost_model: CostModel | None = None, max_worker_restarts: int = 3,
-              worker_timeout_s: float = 0.0, schedule: str = "static", migration: bool = False) -> RolloutPool:
+              worker_timeout_s: float = 0.0, schedule: str = "static", migration: bool = False,
+              migration_rule: str = "half_busiest", tier2: bool = False) -> RolloutPool:
     """The pool of `num_workers` workers on `backend` ('local': in this process, exactly one worker; 'ray':
     one Ray actor each, on the cluster `ray_address` names, '' = a fresh local one). Each worker starts from
     `policy`'s weights (version 0); `history` is the truth the pool ships slices of. Workers that fail (a Ray
     actor that dies, a local worker whose rollout raises) are restarted up to `max_worker_restarts` times;
     `worker_timeout_s` > 0 makes an unanswering Ray worker a failure.
-    `schedule` (`rollout.schedule`) splits each call's groups among the Ray workers and `migration`
-    (`rollout.migration`) moves requests to idle ones in the tail; one local worker has nothing to split.
+    `schedule` (`rollout.schedule`, with `tier2`) splits each call's groups among the Ray workers and `migration`
+    (`rollout.migration`, by `migration_rule`) moves requests to idle ones in the tail; one local worker has
+    nothing to split.
 
     `policy` must be the plain Decoder, before LoRA adapters are added to it (the loop calls this before
     `add_lora`): each worker copies its modules and parameter names, and `load_weights` later sends it
@@ -71,7 +73,8 @@ def make_pool(backend: str, num_workers: int, ray_address: str, policy: Decoder,
                             f"`ray start --head`, or set ray.address='' for a fresh local one") from None
         return ray_pool.RayPool(policy, tokenizer, model_dir, worker_config, history, num_workers, seed=seed,
                                 device=device, cost_model=cost_model, timeout_s=worker_timeout_s or None,
-                                max_restarts=max_worker_restarts, schedule=schedule, migration=migration)
+                                max_restarts=max_worker_restarts, schedule=schedule, migration=migration,
+                                migration_rule=migration_rule, tier2=tier2)
     raise ValueError(f"unknown rollout backend {backend!r} (local or ray)")
 
 

@@ -136,8 +136,11 @@ class WorkerActor:
         return done.result()
 
     @ray.method(concurrency_group="handover")
-    def hand_over(self, n: int | None = None) -> list[Continuation]:
-        return self.worker.hand_over(n)
+    def hand_over(self, n: int | None = None, rule: str = "half_busiest",
+                  timeout: float | None = 60.0) -> list[Continuation]:
+        """`RolloutWorker.hand_over`: rule "tail" waits (up to `timeout`, None: the rollout's end) for a request
+        that qualifies."""
+        return self.worker.hand_over(n, timeout, rule)
 
     def spec_state(self) -> dict | None:
         return self._on_compute(self.worker.spec_state)

@@ -19,14 +19,21 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
   tokens. A worker that fails more than `max_restarts` times is dropped and its groups go to the others; the
   call fails (`WorkersFailed`, one line) only when no worker is left. `StaleWeightsError` is raised at once.
 - **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
-  `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (predicted
-  lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
-  workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole; each worker's list is its admission
-  order. Keyed randomness makes the tokens the same under every schedule.
-- **Migration** (`rollout.migration`): when a worker has finished its shares while another still runs one
-  (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its next step
-  boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their prediction) and sends
-  them to the idle one, which re-prefills prompt + generated tokens and decodes on with the same keyed draws.
+  `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (each request's
+  predicted length from the pool's history, `LengthPredictor.predict_group`, costed with the cost model the
+  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole, except under
+  `histopipe` with `rollout.tier2`: `plan.plan_pieces` (the simulator's planner) may cut a long group into
+  pieces on several workers; a piece is sent as a group of its request ids, its siblings drafting from each
+  other on their worker. Each worker's list is its admission order. Keyed randomness (seed, request id,
+  position) makes the tokens the same under every schedule, split or not.
+- **Migration** (`rollout.migration`, `rollout.migration_rule`; `ray_call.RayCall` drives it): when a worker
+  has finished its shares while another still runs one (the step's tail), the driver asks a busy one to hand
+  over requests at a step boundary (`RolloutWorker.hand_over`) and sends them to the idle one, which
+  re-prefills prompt + generated tokens and decodes on with the same keyed draws. `half_busiest`: half of the
+  busiest worker's unfinished requests (waiting ones first, then those furthest past their prediction).
+  `tail` (the paper's rule, `histopipe.fleet`): one running request in its group's tail grown past 1.2x its
+  group's predicted longest member, asked of the busiest worker and taken at the first boundary where one
+  qualifies.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.histopipe.plan import SCHEDULES, plan
+from rhymerl.histopipe.plan import SCHEDULES, plan_pieces
+from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
@@ -53,7 +61,7 @@ from rhymerl.rollout.ray_call import RayCall
 from rhymerl.errors import UserError
 from rhymerl.rollout.types import (RolloutGroup, RolloutResult, StaleWeightsError, WorkersFailed, WorkerStats,
                                     first_line)
-from rhymerl.rollout.worker import WorkerConfig
+from rhymerl.rollout.worker import HANDOVER_RULES, WorkerConfig
 
 
 def connect(address: str = "") -> None:
@@ -85,18 +93,21 @@ class RayPool:
     workers start from (version 0), `model_dir` its architecture; `timeout_s`: how long a worker's share of a
     call may take before the worker counts as dead (None: no limit); `max_restarts`: replacements of one
     worker, after which it is dropped and the others take its groups; `schedule` (one of SCHEDULES) splits each
-    call's groups, `migration` moves requests to idle workers in the tail (see the module doc). Call `connect`
-    first."""
+    call's groups (`tier2`: histopipe may split a long group), `migration` moves requests to idle workers in the
+    tail by `migration_rule` (one of HANDOVER_RULES; see the module doc). Call `connect` first."""
 
     def __init__(self, policy: Decoder, tokenizer, model_dir: str | os.PathLike, config: WorkerConfig,
                  history: HistoryStore, num_workers: int, seed: int = 0, device: str = "cpu",
                  cost_model: CostModel | None = None, timeout_s: float | None = None, max_restarts: int = 3,
-                 schedule: str = "static", migration: bool = False):
+                 schedule: str = "static", migration: bool = False, migration_rule: str = "half_busiest",
+                 tier2: bool = False):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.schedule, self.migration = schedule, migration
+        if migration_rule not in HANDOVER_RULES:
+            raise ValueError(f"migration_rule must be one of {HANDOVER_RULES}, got {migration_rule!r}")
+        self.schedule, self.migration, self.migration_rule, self.tier2 = schedule, migration, migration_rule, tier2
         self.migrations = 0  # requests moved between workers so far (each counted once)
         self.history = history
         self.config = config
@@ -161,9 +172,9 @@ class RayPool:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
         call = RayCall(self, params, step)
-        for share, w in zip(self.split(groups, len(self.actors), params.max_tokens), self.workers):
+        for share, w in zip(self.shares(groups, params.max_tokens), self.workers):
             if share:
-                call.send(call.add_share([groups[i] for i in share], []), w)
+                call.send(call.add_share(share, []), w)
         done = call.run()
         # A request comes back once; twice only when a worker that handed some over failed afterwards and its
         # share ran again: the same tokens (keyed randomness), so either copy will do.
@@ -177,16 +188,24 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
-    def split(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[int]]:
-        """Each live worker's groups (indices, in admission order) under `self.schedule`. `cap`: the call's
-        max_tokens, where a recorded length was cut (the predictor takes it as a lower bound, as the worker's
-        admission order and `histopipe/rank_corr` do)."""
+    def split(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[Piece]]:
+        """Each live worker's pieces (group index, its request indices), in admission order, under
+        `self.schedule` (a whole group is one piece of all its requests; `tier2`: histopipe may cut a long
+        group). `cap`: the call's max_tokens, where a recorded length was cut (the predictor takes it as a
+        lower bound, as the worker's admission order and `histopipe/rank_corr` do)."""
         sizes = [len(g.request_ids) for g in groups]
         if self.schedule != "histopipe":
-            return plan(sizes, num_workers, self.schedule)
-        prompts = [g.prompt_ids for g in groups]
-        predicted = LengthPredictor.from_history(self.history, prompts, cap=cap).predict_many(prompts)
-        return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.num_slots)
+            return plan_pieces(sizes, num_workers, self.schedule)
+        predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups], cap=cap)
+        predicted = [predictor.predict_group(g.prompt_ids, n) for g, n in zip(groups, sizes)]
+        return plan_pieces(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.num_slots,
+                           tier2=self.tier2)
+
+    def shares(self, groups: list[RolloutGroup], cap: int | None = None) -> list[list[RolloutGroup]]:
+        """Each live worker's share of `groups` (`split`), in worker-id order: a piece as a group of its
+        request ids."""
+        return [[RolloutGroup(groups[g].prompt_ids, [groups[g].request_ids[i] for i in idx]) for g, idx in share]
+                for share in self.split(groups, len(self.actors), cap)]
 
     def _plan_cost(self) -> CostModel:
         """The cost model `histopipe` plans with: the pool's, else the one the workers measured at start-up

@@ -76,9 +76,8 @@ class RayStream:
         pool = self.pool
         version, weights = self._published or (pool.weights_version, None)
         s = StreamedStep(list(groups), params, step, version, weights)
-        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers), params.max_tokens)):
-            if share:
-                picked = [s.groups[i] for i in share]
+        for w, picked in zip(pool.workers, pool.shares(s.groups, params.max_tokens)):
+            if picked:
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
                 self._send(s, len(s.shares) - 1, w)
         self._in_flight.append(s)

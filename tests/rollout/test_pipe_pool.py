@@ -1,0 +1,173 @@
+"""HistoPipe in the real Ray pool (issue 32): tier 2 (a long group split over both workers), the paper's
+migration rule (`rollout.migration_rule=tail`), each fp32 token-identical to the in-process pool (keyed
+draws); a worker's prediction informed by the siblings finished so far (`observe_finished`); and the
+simulator's worker model replaying the pool's per-worker timeline in sync mode.
+
+The model is the tiny llama with four end-of-sequence tokens (`stopping_checkpoint`), so that responses end
+at lengths from 1 to the cap, as a length-aware schedule needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from rhymerl.cost_model import CostModel
+from rhymerl.histopipe.batching import run_worker
+from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.history import HistoryStore
+from rhymerl.model.weights import load_decoder
+from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout.ray_pool import RayPool
+from rhymerl.rollout.timeline import timeline_row
+from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
+from tiny_models import random_prompts, stopping_checkpoint
+
+COST = CostModel([1, 4], [1, 8], [[0.010, 0.030], [0.020, 0.080]])  # more sequences, a dearer step
+PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=3)
+SPEC = WorkerConfig(num_slots=4, max_model_len=80, dtype="fp32", max_draft_tokens=8)  # HistoSpec on
+PLAIN = WorkerConfig(num_slots=4, max_model_len=80, dtype="fp32", speculative="off")  # a token a step
+
+
+@pytest.fixture(scope="module")
+def stop_dir(tmp_path_factory):
+    return stopping_checkpoint(tmp_path_factory.mktemp("stopping"))
+
+
+@pytest.fixture(scope="module")
+def policy(stop_dir):
+    return load_decoder(stop_dir)
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, policy, stop_dir):
+    """Two HistoSpec workers, shared by the tier-2 and tail tests (each sets the schedule and migration it
+    needs, and its own history: the pool's truth is an attribute too)."""
+    pool = RayPool(policy, None, stop_dir, SPEC, HistoryStore(), num_workers=2, cost_model=COST)
+    yield pool
+    pool.close()
+
+
+def groups(prompts, n, tag):
+    return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(n)]) for i, p in enumerate(prompts)]
+
+
+def tokens(result):
+    return [(o.request_id, o.token_ids) for o in result.outputs]
+
+
+def local_tokens(policy, gs, history):
+    return tokens(LocalPool(RolloutWorker(policy, None, SPEC, cost_model=COST), history).rollout(gs, PARAMS))
+
+
+def test_tier2_spreads_a_long_group_over_both_workers_and_changes_no_token(pool, policy):
+    """Prompt 0's history says its answers are long, the others' short: histopipe with tier 2 cuts its group
+    into pieces on both workers (a piece is a group of some of its request ids), and every response is the
+    unsplit pool's and the in-process pool's."""
+    prompts = random_prompts(5, seed=31)
+    pool.history = history = HistoryStore()
+    pool.schedule, pool.tier2, pool.migration = "histopipe", True, False
+    for i, p in enumerate(prompts):
+        pool.record(p, [[5] * (36 if i == 0 else 2)] * 4)
+    gs = groups(prompts, 4, "t")
+    plan = pool.split(gs, 2, PARAMS.max_tokens)
+    assert {w for w, share in enumerate(plan) for g, _ in share if g == 0} == {0, 1}
+    assert sorted((g, i) for share in plan for g, idx in share for i in idx) == [(g, i) for g in range(5)
+                                                                                 for i in range(4)]
+    split = pool.rollout(gs, PARAMS)
+    assert sorted(w.requests for w in split.workers) == sorted(sum(len(idx) for _, idx in s) for s in plan)
+    pool.tier2 = False
+    assert all(len(idx) == 4 for share in pool.split(gs, 2, PARAMS.max_tokens) for _, idx in share)
+    whole = pool.rollout(gs, PARAMS)
+    assert tokens(split) == tokens(whole) == local_tokens(policy, gs, history)
+
+
+def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(pool, policy, monkeypatch):
+    """Worker 0 is given one short request, worker 1 the rest (23 on 4 slots). The history (1-token answers)
+    makes every longer response "grown past it": once a group's last request on worker 1 runs beside
+    another, it is moved to worker 0, one request per hand-over. Each response comes back once, with the
+    tokens of the unmigrated call and of the in-process pool."""
+    prompts = random_prompts(6, seed=32)
+    pool.history = history = HistoryStore()
+    pool.schedule, pool.migration, pool.migration_rule = "static", False, "tail"
+    for p in prompts:
+        pool.record(p, [[5]] * 4)
+    gs = groups(prompts, 4, "m")
+    plain = pool.rollout(gs, PARAMS)
+    lengths = {o.request_id: len(o.token_ids) for o in plain.outputs}
+    g0, i0 = min(((g, i) for g in range(6) for i in range(4)), key=lambda x: lengths[gs[x[0]].request_ids[x[1]]])
+    rest = [(g, tuple(i for i in range(4) if (g, i) != (g0, i0))) for g in range(6)]
+    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(g0, (i0,))], [p for p in rest if p[1]]])
+    before, pool.migration = pool.migrations, True
+    moved = pool.rollout(gs, PARAMS)
+    pool.migration = False
+    assert [o.request_id for o in moved.outputs] == [rid for g in gs for rid in g.request_ids]
+    assert tokens(moved) == tokens(plain) == local_tokens(policy, gs, history)
+    totals = moved.engine_totals()
+    assert totals.migrations == totals.handed_over == pool.migrations - before > 0
+    extra = moved.workers[2:]  # the shares of moved requests, after the two planned ones
+    assert len(extra) == totals.migrations and all(w.requests == 1 and w.worker == 0 for w in extra)
+    assert all(lengths[s.request_id] > 1 for w in extra for s in w.spans)  # grown past the history's 1 token
+
+
+def test_a_worker_predicts_from_the_siblings_finished_so_far(policy):
+    """Prompt A has no history, prompt B has: A's prediction starts at the data set's prior and, as A's
+    siblings finish, becomes the expected length past the longest finished one, at every step boundary what
+    a reference `LengthPredictor` fed the same finishes says."""
+    a, b = random_prompts(2, seed=33)
+    store = HistoryStore()
+    store.record_rollout(b, [[5] * n for n in (3, 6, 12, 20)])
+    worker = RolloutWorker(policy, None, PLAIN)
+    finished, checks = [], []
+    step = worker.engine.step
+
+    def watched():  # a step boundary: the worker has observed every finish so far
+        reference = LengthPredictor.from_history(store, [a, b], cap=PARAMS.max_tokens)
+        for prompt, n in finished:
+            reference.observe_finished(prompt, n)
+        seen_a = [n for prompt, n in finished if prompt == a]
+        checks.append((max(seen_a, default=0), worker.predicted_length(a), reference.predict(a)))
+        events = step()
+        finished.extend((ev.output.prompt_ids, len(ev.output.token_ids)) for ev in events if ev.output is not None)
+        return events
+
+    worker.engine.step = watched
+    worker.rollout([RolloutGroup(a, [f"a{i}" for i in range(6)]), RolloutGroup(b, ["b0", "b1"])], PARAMS,
+                   store.export([a, b]), 0)
+    assert all(got == pytest.approx(ref) for _, got, ref in checks)
+    prior = checks[0][1]
+    assert prior == pytest.approx(LengthPredictor.from_history(store, [a, b], cap=PARAMS.max_tokens).prior())
+    informed = [(seen, got) for seen, got, _ in checks if seen > 0]
+    assert informed and all(got >= seen for seen, got in informed)
+    assert any(got != pytest.approx(prior) for _, got in informed)
+
+
+def test_the_simulator_replays_the_pools_timeline(pool, policy, stop_dir):
+    """Sync mode, the call the loop makes (`RayPool.rollout(groups, params, step)`, its timeline as the loop
+    writes it, `timeline_row`): per worker, the simulator's continuous batching (`batching.run_worker`) on
+    the requests' true lengths, in the worker's admission order, gives the order in which they start and
+    finish (a request that starts or finishes a step before another does so in the pool too), and, with
+    one step's cost fitted to the worker's span, each start and finish to within 25% of the span (prefill
+    steps cost more than decode steps, which the fitted model prices alike, and other processes share the
+    cores). Speculation off: a step is one token, as the model has it."""
+    pool.close()  # the cluster's two CPUs, for two plain workers
+    prompts = random_prompts(8, seed=34)
+    plain = RayPool(policy, None, stop_dir, PLAIN, HistoryStore(), num_workers=2)
+    try:
+        result = plain.rollout(groups(prompts, 4, "s"), PARAMS, step=1)
+    finally:
+        plain.close()
+    row = timeline_row(result)
+    for w in row["workers"]:
+        mine = [r for r in row["requests"] if r["worker"] == w]  # in the order given: its admission order
+        assert len(mine) == 16
+        steps = run_worker([r["tokens"] for r in mine], 4, [1.0] * 5)  # times in steps
+        origin = min(r["start"] for r in mine)
+        span = max(r["end"] for r in mine) - origin
+        step_s = span / steps.end
+        for kind, sim in (("start", steps.start), ("end", steps.finish)):
+            real = [r[kind] - origin for r in mine]
+            for i in range(16):
+                for j in range(16):
+                    if sim[i] < sim[j]:
+                        assert real[i] < real[j], (w, kind, mine[i]["id"], mine[j]["id"])
+                assert abs(real[i] - sim[i] * step_s) <= 0.25 * span, (w, kind, mine[i]["id"], real[i],
+                                                                       sim[i] * step_s)
