@@ -1,15 +1,18 @@
 """HistoPipe in the real Ray pool (issue 32): tier 2 (a long group split over both workers), the paper's
 migration rule (`rollout.migration_rule=tail`), each fp32 token-identical to the in-process pool (keyed
 draws); a worker's prediction informed by the siblings finished so far (`observe_finished`); and the
-simulator's worker model replaying the pool's per-worker timeline in sync mode.
+simulator's worker model replaying the training loop's per-worker timeline in sync mode.
 
 The model is the tiny llama with four end-of-sequence tokens (`stopping_checkpoint`), so that responses end
 at lengths from 1 to the cap, as a length-aware schedule needs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from rhymerl.config import load_config
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.batching import run_worker
 from rhymerl.histopipe.predict import LengthPredictor
@@ -17,9 +20,11 @@ from rhymerl.history import HistoryStore
 from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams, WorkerConfig
 from rhymerl.rollout.ray_pool import RayPool
-from rhymerl.rollout.timeline import timeline_row
+from rhymerl.rl.loop import TrainingRun
+from rhymerl.rollout.timeline import read_timeline
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from tiny_models import random_prompts, stopping_checkpoint
+from helpers import one_step_off_overrides, train_rows
+from tiny_models import random_prompts, stopping_checkpoint, tiny_smol_checkpoint
 
 COST = CostModel([1, 4], [1, 8], [[0.010, 0.030], [0.020, 0.080]])  # more sequences, a dearer step
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=3)
@@ -140,34 +145,48 @@ def test_a_worker_predicts_from_the_siblings_finished_so_far(policy):
     assert any(got != pytest.approx(prior) for _, got in informed)
 
 
-def test_the_simulator_replays_the_pools_timeline(pool, policy, stop_dir):
-    """Sync mode, the call the loop makes (`RayPool.rollout(groups, params, step)`, its timeline as the loop
-    writes it, `timeline_row`): per worker, the simulator's continuous batching (`batching.run_worker`) on
-    the requests' true lengths, in the worker's admission order, gives the order in which they start and
-    finish (a request that starts or finishes a step before another does so in the pool too), and, with
-    one step's cost fitted to the worker's span, each start and finish to within 25% of the span (prefill
-    steps cost more than decode steps, which the fitted model prices alike, and other processes share the
-    cores). Speculation off: a step is one token, as the model has it."""
-    pool.close()  # the cluster's two CPUs, for two plain workers
-    prompts = random_prompts(8, seed=34)
-    plain = RayPool(policy, None, stop_dir, PLAIN, HistoryStore(), num_workers=2)
-    try:
-        result = plain.rollout(groups(prompts, 4, "s"), PARAMS, step=1)
-    finally:
-        plain.close()
-    row = timeline_row(result)
+def test_the_simulator_replays_the_loops_timeline(pool, smollm2_dir, tmp_path):
+    """Sync mode, the real loop (`TrainingRun`, two steps on 2 Ray workers, 16 requests a step on 2 slots
+    each: 4 waves a worker), its timeline as it writes it (RUN_DIR/timeline.jsonl): per worker and step, the
+    simulator's continuous batching (`batching.run_worker`) on the requests' true lengths, in the worker's
+    admission order, gives the order in which they start and finish (a request that starts or finishes a
+    step before another does so in the run too), and, in step 2 (step 1's first forwards are cold), with one
+    step's cost fitted to the worker's span, each start and finish to within 25% of the span (prefill steps
+    cost more than decode steps, which the fitted model prices alike, and other processes share the cores).
+    Speculation off: a step is one token, as the model has it."""
+    pool.close()  # the cluster's two CPUs, for the run's two workers
+    model = tiny_smol_checkpoint(tmp_path / "tiny", smollm2_dir, embed_std=0.3)
+    config = json.loads((model / "config.json").read_text())  # ~8% of the vocabulary ends a response
+    (model / "config.json").write_text(json.dumps(config | {"eos_token_id": list(range(2, 4002))}))
+    (model / "reward_fns.py").write_text("def length_mod(completion, ground_truth, data_source, prompt):\n"
+                                         "    return len(completion or '') % 7 / 6\n")
+    overrides = one_step_off_overrides(model, tmp_path / "run", "length_mod", "rollout.mode=sync",
+                                       "rollout.speculative=off", "train.total_steps=2", "run.save_every=0",
+                                       "train.prompts_per_step=4", "rollout.num_generations=4",
+                                       "rollout.num_slots=2", "rollout.max_completion_length=24",
+                                       prompts=4, micro_batch=16)
+    run = TrainingRun(load_config(None, overrides))
+    train_rows(run)
+    rows = read_timeline(run.run_dir)
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert len({r["tokens"] for r in row["requests"]}) > 3  # lengths that differ: an order to get right
+        _replay(row, timed=row["step"] == 2)
+
+
+def _replay(row: dict, timed: bool) -> None:
     for w in row["workers"]:
         mine = [r for r in row["requests"] if r["worker"] == w]  # in the order given: its admission order
-        assert len(mine) == 16
-        steps = run_worker([r["tokens"] for r in mine], 4, [1.0] * 5)  # times in steps
+        assert len(mine) == 8
+        steps = run_worker([r["tokens"] for r in mine], 2, [1.0] * 3)  # times in steps
         origin = min(r["start"] for r in mine)
         span = max(r["end"] for r in mine) - origin
         step_s = span / steps.end
         for kind, sim in (("start", steps.start), ("end", steps.finish)):
             real = [r[kind] - origin for r in mine]
-            for i in range(16):
-                for j in range(16):
+            for i in range(8):
+                for j in range(8):
                     if sim[i] < sim[j]:
                         assert real[i] < real[j], (w, kind, mine[i]["id"], mine[j]["id"])
-                assert abs(real[i] - sim[i] * step_s) <= 0.25 * span, (w, kind, mine[i]["id"], real[i],
-                                                                       sim[i] * step_s)
+                assert not timed or abs(real[i] - sim[i] * step_s) <= 0.25 * span, (w, kind, mine[i]["id"],
+                                                                                     real[i], sim[i] * step_s)

@@ -261,9 +261,13 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         for r in range(repeats):
             for name, schedule, rule in variants[r % len(variants):] + variants[:r % len(variants)]:
                 pool.schedule, pool.migration, pool.migration_rule = schedule, rule is not None, rule or "half_busiest"
+                plan = pool.split(groups("e2"), num_workers, max_tokens)  # as the call plans it (deterministic)
                 t0 = time.perf_counter()
                 result = pool.rollout(groups("e2"), params)
                 runs[name].append(call_figures(result, time.perf_counter() - t0))
+                # tier 2: groups the plan cut into pieces on more than one worker
+                runs[name][-1]["split_groups"] = sum(len({w for w, share in enumerate(plan) for h, _ in share
+                                                          if h == g}) > 1 for g in range(len(prompts)))
                 got = [o.token_ids for o in result.outputs]
                 reference = got if reference is None else reference
                 identical &= got == reference
@@ -297,15 +301,16 @@ def print_real_tables(real: dict | None, console: Console) -> None:
         t = Table(title=f"{real['workers']} Ray workers: {real['model']} {real['dtype']}, {real['prompts']} prompts "
                         f"x {real['num_generations']}, {real['slots']} slots each, max_tokens={real['max_tokens']}, "
                         f"{real['repeats']} repeats, identical tokens: {real['identical']}")
-        for c in ("schedule", "makespan s", "runs s", "spread s", "bubble", "finish gap s", "migrations",
-                  "re-prefill s", "vs static", "vs least_loaded"):
+        for c in ("schedule", "makespan s", "runs s", "spread s", "bubble", "finish gap s", "split groups",
+                  "migrations", "re-prefill s", "vs static", "vs least_loaded"):
             t.add_column(c, justify="right")
         for name, _, _ in RAY_VARIANTS:
             if name in real:
                 r = real[name]
                 t.add_row(name, f"{r['makespan_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs_s"]),
                           f"{r['spread_s']:.3f}", f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}",
-                          f"{r['migrations']:g}", f"{r['migration_prefill_s']:.3f}", f"{r['speedup_vs_static']:.3f}x",
+                          f"{r['split_groups']:g}", f"{r['migrations']:g}", f"{r['migration_prefill_s']:.3f}",
+                          f"{r['speedup_vs_static']:.3f}x",
                           f"{r['speedup_vs_least_loaded']:.3f}x" if r.get("speedup_vs_least_loaded") else "-")
         console.print(t)
     real = (real or {}).get("one_worker")
