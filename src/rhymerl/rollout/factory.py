@@ -1,8 +1,8 @@
 """The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
 
-Ray is imported only where the Ray backend is chosen (`ray_pool`, `ray_call`, `ray_actor` and `ray_stream` are the only modules
-that import it),
-so a local run, `generate`, `report` and the benches that need no Ray work where ray is missing or broken.
+Ray is imported only where the Ray backend is chosen (`ray_pool`, `ray_call`, `ray_actor` and `ray_stream` are
+the only modules that import it), so a local run, `generate`, `report` and the benches that need no Ray work
+where ray is missing or broken.
 """
 
 from __future__ import annotations
