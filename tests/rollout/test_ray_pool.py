@@ -141,7 +141,8 @@ def test_only_the_ray_backend_imports_ray():
     src = Path(rhymerl.__file__).parent
     importers = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py")
                        if re.search(r"^\s*(import ray|from ray[. ])", p.read_text(), re.MULTILINE))
-    assert importers == ["rollout/ray_actor.py", "rollout/ray_call.py", "rollout/ray_pool.py", "rollout/ray_stream.py"]
+    assert importers == ["rl/ray_ranks.py", "rollout/ray_actor.py", "rollout/ray_call.py", "rollout/ray_pool.py",
+                         "rollout/ray_stream.py"]  # rl/ray_ranks.py: the update's ranks as Ray actors
 
 
 def test_a_worker_whose_rollout_raises_is_restarted_as_the_local_one_is(pool, capfd):
