@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -99,4 +100,14 @@ def peaky_checkpoint(path: Path) -> str:
     weights = load_file(path / "model.safetensors")
     weights["model.norm.weight"] *= 6.0
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def stopping_checkpoint(path: Path, eos: tuple[int, ...] = (3, 17, 40, 77)) -> str:
+    """Copy the tiny llama into `path` with `eos` as its end-of-sequence tokens: a random model draws one of
+    them now and then, so that responses end at lengths from 1 to past 40 (without, every response runs to
+    max_tokens and nothing is left for a length-aware schedule to order)."""
+    shutil.copytree(tiny_checkpoint("llama")[0], path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": list(eos)}))
     return str(path)

@@ -20,9 +20,9 @@ from rhymerl.history import HistoryStore
 from rhymerl.rl.group_assembly import GroupAssembly
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
-from rhymerl.rollout import RolloutGroup, RolloutResult, RolloutWorker, SamplingParams, WorkerConfig
+from rhymerl.rollout import RolloutGroup, RolloutResult, RolloutWorker, SamplingParams
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
-from helpers import FLAT, learned, one_step_off_overrides, train_rows
+from helpers import FLAT, learned, one_step_off_overrides, train_rows, worker_config
 from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
@@ -34,8 +34,7 @@ def _worker(model=None) -> RolloutWorker:
     history predicts every group's longest member at 2 tokens (deferral threshold 2.4)."""
     model = model or tiny_decoder()
     model.cfg = dataclasses.replace(model.cfg, eos_token_ids=tuple(range(0, VOCAB, 8)))
-    worker = RolloutWorker(model, None, WorkerConfig(num_slots=8, max_model_len=128, dtype="fp32",
-                                                     speculative="off"))
+    worker = RolloutWorker(model, None, worker_config(128, num_slots=8, speculative="off"))
     worker._predict_longest = lambda prompt, size: 2.0
     return worker
 

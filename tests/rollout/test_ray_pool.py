@@ -136,12 +136,14 @@ def test_a_worker_killed_mid_step_is_replaced_and_its_requests_run_again(pool):
 
 
 def test_only_the_ray_backend_imports_ray():
-    """Ray is imported by the Ray backend's modules only, the pool (the driver's side), its stream and its actor,
-    so that the rest of rhymerl does not import it (`from rhymerl.rollout import ...` stays free of ray)."""
+    """Ray is imported by the Ray backend's modules only, the pool and its call driver (the driver's side), its
+    stream and its actor, so that the rest of rhymerl does not import it (`from rhymerl.rollout import ...`
+    stays free of ray)."""
     src = Path(rhymerl.__file__).parent
     importers = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py")
                        if re.search(r"^\s*(import ray|from ray[. ])", p.read_text(), re.MULTILINE))
-    assert importers == ["rollout/ray_actor.py", "rollout/ray_pool.py", "rollout/ray_stream.py"]
+    assert importers == ["rl/ray_ranks.py", "rollout/ray_actor.py", "rollout/ray_call.py", "rollout/ray_pool.py",
+                         "rollout/ray_stream.py"]  # rl/ray_ranks.py: the update's ranks as Ray actors
 
 
 def test_a_worker_whose_rollout_raises_is_restarted_as_the_local_one_is(pool, capfd):

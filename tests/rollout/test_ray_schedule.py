@@ -63,6 +63,13 @@ def test_schedules_are_the_config_keys_and_unknown_ones_are_refused():
     assert sections.RolloutSection(schedule="oracle").validate()  # simulation only: not a config value
     with pytest.raises(ValueError, match="schedule must be one of"):
         RayPool(None, None, "", CONFIG, HistoryStore(), num_workers=2, schedule="oracle")
+    # the migration rules the pool runs are the simulator's first two; steal is simulated only
+    assert sections.RolloutSection().migration_rule == "half_busiest" and sections.RolloutSection().tier2 is False
+    assert sections.RolloutSection(backend="ray", migration=True, migration_rule="steal").validate()
+    with pytest.raises(ValueError, match="migration_rule must be one of"):
+        RayPool(None, None, "", CONFIG, HistoryStore(), num_workers=2, migration_rule="steal")
+    assert sections.RolloutSection(backend="ray", tier2=True).validate()  # tier 2 splits histopipe's plan only
+    assert not sections.RolloutSection(backend="ray", num_workers=2, schedule="histopipe", tier2=True).validate()
 
 
 def test_every_schedule_gives_the_same_tokens(pool, policy):
@@ -78,7 +85,10 @@ def test_every_schedule_gives_the_same_tokens(pool, policy):
     plans = {}
     for schedule in ray_pool.SCHEDULES:
         pool.schedule = schedule
-        plans[schedule] = pool.split(gs, 2, PARAMS.max_tokens)  # as the call plans: lengths at the cap cut
+        # as the call plans (lengths at the cap cut); tier 2 off: every group whole, one piece of 2 requests
+        pieces = pool.split(gs, 2, PARAMS.max_tokens)
+        assert all(idx == (0, 1) for share in pieces for _, idx in share)
+        plans[schedule] = [[g for g, _ in share] for share in pieces]
         result = pool.rollout(gs, PARAMS)
         assert tokens(result) == expected, schedule
         assert sorted(w.requests for w in result.workers) == sorted(2 * len(p) for p in plans[schedule])
@@ -97,7 +107,8 @@ def test_migration_moves_requests_to_the_idle_worker_and_changes_no_token(pool, 
     prompts = random_prompts(6, seed=22)
     gs = groups(prompts, tag="m")
     pool.schedule = "static"
-    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[0], list(range(1, len(groups)))])
+    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(0, (0, 1))], [(g, (0, 1)) for g in
+                                                                                     range(1, len(groups))]])
     pool.migration = False
     plain = pool.rollout(gs, PARAMS)
     assert plain.engine_totals().migrations == 0

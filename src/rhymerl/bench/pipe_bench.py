@@ -7,7 +7,7 @@ speed-ups, then runs of `run_steps` steps in each mode, with Gantt charts; its m
 and the JSON's "sim" layout.
 
 (b) Real runs (`rhymerl.bench.pipe_real`): one worker, FIFO vs longest-first admission (`run_real`), and
-`ray_workers` Ray workers under every schedule, histopipe with migration too (`run_ray`), on the real model
+`ray_workers` Ray workers under every schedule, histopipe with each migration rule too (`run_ray`), on the real model
 and a built-in task's prompts (`real_workload`: the recorded `repeat` task under `--trace rhyming`, else
 arithmetic, or `--real-data`); the tokens are checked identical across all of them. `run` runs both
 parts; `print_table` prints their tables.
@@ -167,7 +167,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         if ray_workers > 0:
             progress.stage(f"{ray_workers} Ray workers: epoch 1, then every schedule x {repeats}")
             summary["real"] |= run_ray(model, num_workers=ray_workers, **sizes, repeats=repeats, seed=seed,
-                                       dtype=dtype, device=device)
+                                       dtype=dtype, device=device, tier2=tier2)
             summary["real"]["waves"] = w.waves(ray_workers)
     progress.done()
     if any(int(w) <= GANTT_MAX_WORKERS for w in summary["sim"]) and run_steps > 0:

@@ -15,10 +15,11 @@ request ids and seed, the median rollout seconds of each reported, and the token
 randomness: only the timing may change).
 
 `run_ray`: two Ray workers (`RayPool`) on the same prompts: a first epoch recorded, then every
-schedule of `rollout.schedule` (static, least_loaded, histopipe) and histopipe with migration on the second
-epoch's groups, `repeats` rounds in rotating order, the median makespan (the call's wall time), bubble ratio
-(1 - the workers' busy time / (workers x makespan)) and finish gap of each, tokens checked identical across
-all of them.
+schedule of `rollout.schedule` (static, least_loaded, histopipe, with `rollout.tier2` as the bench's
+`--no-tier2` leaves it) and histopipe with each migration rule (`rollout.migration_rule`: half_busiest, the
+paper's tail) on the second epoch's groups, `repeats` rounds in rotating order, the median makespan (the
+call's wall time) and the spread of the runs (slowest - fastest), bubble ratio (1 - the workers' busy time /
+(workers x makespan)) and finish gap of each, tokens checked identical across all of them.
 """
 
 from __future__ import annotations
@@ -202,9 +203,10 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     return out
 
 
-# (name, rollout.schedule, rollout.migration)
-RAY_VARIANTS = (("static", "static", False), ("least_loaded", "least_loaded", False),
-                ("histopipe", "histopipe", False), ("histopipe+migration", "histopipe", True))
+# (name, rollout.schedule, rollout.migration_rule or None: migration off)
+RAY_VARIANTS = (("static", "static", None), ("least_loaded", "least_loaded", None),
+                ("histopipe", "histopipe", None), ("histopipe+migration", "histopipe", "half_busiest"),
+                ("histopipe+tail", "histopipe", "tail"))
 
 
 def call_figures(result, seconds: float) -> dict:
@@ -226,10 +228,11 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
             num_prompts: int = 16, num_generations: int = 4, slots: int = 16, max_tokens: int = 128,
             temperature: float = 1.0, repeats: int = 3, seed: int = 0, dtype: str = "auto",
             device: str | None = None, speculative: str = "histospec", cost_model: CostModel | None = None,
-            variants: Sequence[tuple[str, str, bool]] = RAY_VARIANTS, task: str = "arithmetic") -> dict:
-    """Part (b), two Ray workers: every schedule (and histopipe with migration) on the same groups (see the
-    module doc). Arguments as `run_real`'s; a Ray cluster is started for this process unless it is already
-    connected to one."""
+            variants: Sequence[tuple[str, str, str | None]] = RAY_VARIANTS, task: str = "arithmetic",
+            tier2: bool = True) -> dict:
+    """Part (b), two Ray workers: every schedule (and histopipe with each migration rule) on the same groups
+    (see the module doc); `tier2`: histopipe may split a long group (`rollout.tier2`). Arguments as
+    `run_real`'s; a Ray cluster is started for this process unless it is already connected to one."""
     from rhymerl.engine.sampling_params import SamplingParams
     from rhymerl.history import HistoryStore
     from rhymerl.model.pretrained import default_device, resolve_dtype
@@ -242,7 +245,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     dtype = resolve_dtype(dtype, device)
     policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device, task)
     section = RolloutSection(backend="ray", num_workers=num_workers, num_slots=slots, dtype=dtype,
-                             speculative=speculative, max_draft_tokens=MAX_DRAFT_TOKENS)
+                             speculative=speculative, max_draft_tokens=MAX_DRAFT_TOKENS, tier2=tier2)
     config = WorkerConfig(section, max_model_len=max(map(len, prompts)) + max_tokens + 1)
     pool = make_pool(config, "", policy, tokenizer, model_dir, HistoryStore(), seed=seed, device=device,
                      cost_model=cost_model)
@@ -260,11 +263,15 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
         reference, identical = None, True
         for r in range(repeats):
-            for name, schedule, migration in variants[r % len(variants):] + variants[:r % len(variants)]:
-                pool.schedule, pool.migration = schedule, migration
+            for name, schedule, rule in variants[r % len(variants):] + variants[:r % len(variants)]:
+                pool.schedule, pool.migration, pool.migration_rule = schedule, rule is not None, rule or "half_busiest"
+                plan = pool.split(groups("e2"), num_workers, max_tokens)  # as the call plans it (deterministic)
                 t0 = time.perf_counter()
                 result = pool.rollout(groups("e2"), params)
                 runs[name].append(call_figures(result, time.perf_counter() - t0))
+                # tier 2: groups the plan cut into pieces on more than one worker
+                runs[name][-1]["split_groups"] = sum(len({w for w, share in enumerate(plan) for h, _ in share
+                                                          if h == g}) > 1 for g in range(len(prompts)))
                 got = [o.token_ids for o in result.outputs]
                 reference = got if reference is None else reference
                 identical &= got == reference
@@ -278,14 +285,17 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     for name, rs in runs.items():
         out[name] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
         out[name]["runs_s"] = [x["makespan_s"] for x in rs]
+        out[name]["spread_s"] = max(out[name]["runs_s"]) - min(out[name]["runs_s"])
     for name in out:
         out[name]["speedup_vs_static"] = out["static"]["makespan_s"] / out[name]["makespan_s"] \
             if "static" in out else None
+        out[name]["speedup_vs_least_loaded"] = out["least_loaded"]["makespan_s"] / out[name]["makespan_s"] \
+            if "least_loaded" in out else None
     out = rounded(out)
     out.update({"identical": identical, "workers": num_workers, "model": str(model), "task": task, "dtype": dtype,
                 "device": str(device), "prompts": len(prompts), "num_generations": num_generations, "slots": slots,
                 "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats,
-                "speculative": speculative, "tokens": sum(map(len, reference))})
+                "speculative": speculative, "tier2": tier2, "tokens": sum(map(len, reference))})
     return out
 
 
@@ -295,15 +305,17 @@ def print_real_tables(real: dict | None, console: Console) -> None:
         t = Table(title=f"{real['workers']} Ray workers: {real['model']} {real['dtype']}, {real['prompts']} prompts "
                         f"x {real['num_generations']}, {real['slots']} slots each, max_tokens={real['max_tokens']}, "
                         f"{real['repeats']} repeats, identical tokens: {real['identical']}")
-        for c in ("schedule", "makespan s", "runs s", "bubble", "finish gap s", "migrations", "re-prefill s",
-                  "vs static"):
+        for c in ("schedule", "makespan s", "runs s", "spread s", "bubble", "finish gap s", "split groups",
+                  "migrations", "re-prefill s", "vs static", "vs least_loaded"):
             t.add_column(c, justify="right")
         for name, _, _ in RAY_VARIANTS:
             if name in real:
                 r = real[name]
                 t.add_row(name, f"{r['makespan_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs_s"]),
-                          f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}", f"{r['migrations']:g}",
-                          f"{r['migration_prefill_s']:.3f}", f"{r['speedup_vs_static']:.3f}x")
+                          f"{r['spread_s']:.3f}", f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}",
+                          f"{r['split_groups']:g}", f"{r['migrations']:g}", f"{r['migration_prefill_s']:.3f}",
+                          f"{r['speedup_vs_static']:.3f}x",
+                          f"{r['speedup_vs_least_loaded']:.3f}x" if r.get("speedup_vs_least_loaded") else "-")
         console.print(t)
     real = (real or {}).get("one_worker")
     if real:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from rhymerl.config.fields import ConfigError, field_errors, must_be
 from rhymerl.config.fields import option as _opt
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module and the three below
+from rhymerl.histopipe.fleet import POOL_MIGRATIONS
 from rhymerl.histopipe.plan import ADMISSION_ORDERS
 from rhymerl.histopipe.plan import SCHEDULES as ROLLOUT_SCHEDULES
 from rhymerl.histospec.budget import DRAFT_RULES
@@ -171,6 +172,13 @@ class RolloutSection(_Section):
     migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes over half of the "
                            "unfinished requests of one still running, at its next step boundary (re-prefilling "
                            "them; the same tokens); off until measured to win")
+    migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
+                               "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
+                               "running request at a time, in its group's last 10% still unfinished and grown past "
+                               "1.2x its group's predicted longest member. The same tokens", POOL_MIGRATIONS)
+    tier2: bool = _opt(False, "schedule=histopipe: a group predicted long enough to hold the step back may be "
+                       "split over several workers (HistoPipe's tier 2; siblings on one worker still draft from "
+                       "each other). The same tokens; off until measured to win")
     mode: str = _opt("sync", "sync = each step rolls out on the weights it trains; one_step_off = step t+1 rolls "
                      "out on the workers while step t trains, on weights one step old (backend=ray; not strictly "
                      "on-policy: see train.tis_imp_ratio_cap)", ROLLOUT_MODES)
@@ -199,6 +207,8 @@ class RolloutSection(_Section):
                  "rollout.backend=local", " (it splits a step among Ray workers; set rollout.backend=ray)"),
                 ("migration", self.backend != "local" or not self.migration, "false with rollout.backend=local",
                  " (it moves requests between Ray workers; set rollout.backend=ray)"),
+                ("tier2", not self.tier2 or self.schedule == "histopipe", "false unless rollout.schedule=histopipe",
+                 " (tier 2 splits the groups histopipe predicts long)"),
                 ("stream", not self.stream or self.mode == "one_step_off", "false unless rollout.mode=one_step_off",
                  " (the stream queues step t+1 behind step t, one weights version behind)"),
                 ("stream", not (self.stream and self.migration), "false with rollout.migration=true",

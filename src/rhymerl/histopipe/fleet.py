@@ -41,6 +41,7 @@ from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.timeline import Timeline
 
 MIGRATIONS = ("half_busiest", "tail", "steal", "steal+tail")
+POOL_MIGRATIONS = MIGRATIONS[:2]  # rollout.migration_rule's choices: the rules the Ray pool runs too
 
 
 class _Worker:

@@ -1,8 +1,8 @@
 """The one place that chooses a rollout backend (`rollout.backend`, `rollout.num_workers`, `ray.address`).
 
-Ray is imported only where the Ray backend is chosen (`ray_pool`, `ray_actor` and `ray_stream` are the only modules
-that import it),
-so a local run, `generate`, `report` and the benches that need no Ray work where ray is missing or broken.
+Ray is imported only where the Ray backend is chosen (`ray_pool`, `ray_call`, `ray_actor` and `ray_stream` are
+the only modules that import it), so a local run, `generate`, `report` and the benches that need no Ray work
+where ray is missing or broken.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def make_pool(config: WorkerConfig, ray_address: str, policy: Decoder, tokenizer
     fresh local one). Each worker is built from `config` and starts from `policy`'s weights (version 0);
     `history` is the truth the pool ships slices of. Workers that fail (a Ray actor that dies, a local worker
     whose rollout raises) are restarted up to `max_worker_restarts` times; `worker_timeout_s` > 0 makes an
-    unanswering Ray worker a failure. `schedule` splits each call's groups among the Ray workers and
-    `migration` moves requests to idle ones in the tail; one local worker has nothing to split.
+    unanswering Ray worker a failure. `schedule` (with `tier2`) splits each call's groups among the Ray workers
+    and `migration` (by `migration_rule`) moves requests to idle ones in the tail; one local worker has
+    nothing to split.
 
     `policy` must be the plain Decoder, before LoRA adapters are added to it (the loop calls this before
     `add_lora`): each worker copies its modules and parameter names, and `load_weights` later sends it
@@ -68,7 +69,8 @@ def make_pool(config: WorkerConfig, ray_address: str, policy: Decoder, tokenizer
                             f"`ray start --head`, or set ray.address='' for a fresh local one") from None
         return ray_pool.RayPool(policy, tokenizer, model_dir, config, history, r.num_workers, seed=seed,
                                 device=device, cost_model=cost_model, timeout_s=r.worker_timeout_s or None,
-                                max_restarts=r.max_worker_restarts, schedule=r.schedule, migration=r.migration)
+                                max_restarts=r.max_worker_restarts, schedule=r.schedule, migration=r.migration,
+                                migration_rule=r.migration_rule, tier2=r.tier2)
     raise ValueError(f"unknown rollout backend {r.backend!r} (local or ray)")
 
 

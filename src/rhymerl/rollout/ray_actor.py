@@ -1,6 +1,6 @@
 """The Ray actor behind `RayPool` (`rollout.backend=ray`): one `RolloutWorker` in a process of its own. One of
-the Ray backend's two modules (with `ray_pool`, which drives the actors); no other module of rhymerl imports
-ray.
+the Ray backend's modules (with `ray_pool` and `ray_call`, which drive the actors, and `ray_stream`); no other
+module of rhymerl imports ray.
 
 - **Start-up**: an actor gets the model directory (the architecture), the `WorkerConfig`, the run's seed and
   device, its torch thread count (`worker_resources`: its share of the CPU cores; Ray sets OMP threads to 1,
@@ -144,8 +144,11 @@ class WorkerActor:
         return done.result()
 
     @ray.method(concurrency_group="handover")
-    def hand_over(self, n: int | None = None) -> list[Continuation]:
-        return self.worker.hand_over(n)
+    def hand_over(self, n: int | None = None, rule: str = "half_busiest",
+                  timeout: float | None = 60.0) -> list[Continuation]:
+        """`RolloutWorker.hand_over`: rule "tail" waits (up to `timeout`, None: the rollout's end) for a request
+        that qualifies."""
+        return self.worker.hand_over(n, timeout, rule)
 
     def spec_state(self) -> dict | None:
         return self._on_compute(self.worker.spec_state)

@@ -1,5 +1,6 @@
 """The Ray rollout pool (`rollout.backend=ray`): one Ray actor per worker (`ray_actor.WorkerActor`), each a
-`RolloutWorker` in a process of its own. Only the Ray backend (this module, `ray_actor`, `ray_stream`) imports ray.
+`RolloutWorker` in a process of its own; `ray_call.RayCall` drives one call (shares, faults, migration).
+Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) imports ray.
 
 - **Cluster**: `connect(address)`: '' starts a fresh local cluster (`ray.init(address="local")`, never a
   stray one that happens to run), 'auto' or 'host:port' joins a running one (`ray start --head`). A process
@@ -18,23 +19,29 @@
   tokens. A worker that fails more than `max_restarts` times is dropped and its groups go to the others; the
   call fails (`WorkersFailed`, one line) only when no worker is left. `StaleWeightsError` is raised at once.
 - **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
-  `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (predicted
-  lengths from the pool's history, `LengthPredictor`, costed with the cost model the pool was given or the
-  workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole; each worker's list is its admission
-  order. Keyed randomness makes the tokens the same under every schedule.
-- **Migration** (`rollout.migration`): when a worker has finished its shares while another still runs one
-  (the step's tail), the driver asks the busy one to hand over half its unfinished requests at its next step
-  boundary (`RolloutWorker.hand_over`: waiting ones first, then those furthest past their prediction) and sends
-  them to the idle one, which re-prefills prompt + generated tokens and decodes on with the same keyed draws.
+  `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (each request's
+  predicted length from the pool's history, `LengthPredictor.predict_group`, costed with the cost model the
+  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole, except under
+  `histopipe` with `rollout.tier2`: `plan.plan_pieces` (the simulator's planner) may cut a long group into
+  pieces on several workers; a piece is sent as a group of its request ids, its siblings drafting from each
+  other on their worker. Each worker's list is its admission order. Keyed randomness (seed, request id,
+  position) makes the tokens the same under every schedule, split or not.
+- **Migration** (`rollout.migration`, `rollout.migration_rule`; `ray_call.RayCall` drives it): when a worker
+  has finished its shares while another still runs one (the step's tail), the driver asks a busy one to hand
+  over requests at a step boundary (`RolloutWorker.hand_over`) and sends them to the idle one, which
+  re-prefills prompt + generated tokens and decodes on with the same keyed draws. `half_busiest`: half of the
+  busiest worker's unfinished requests (waiting ones first, then those furthest past their prediction).
+  `tail` (the paper's rule, `histopipe.fleet`): one running request in its group's tail grown past 1.2x its
+  group's predicted longest member, asked of the busiest worker and taken at the first boundary where one
+  qualifies.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import ray
 import torch
@@ -42,26 +49,18 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import Continuation, RequestOutput
-from rhymerl.histopipe.plan import SCHEDULES, plan
+from rhymerl.histopipe.plan import SCHEDULES, plan_pieces
+from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 # The actor moved to ray_actor; WorkerActor and worker_resources stay importable from here.
 from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
+from rhymerl.rollout.ray_call import RayCall
 from rhymerl.errors import UserError
-from rhymerl.rollout.types import (RolloutGroup, RolloutResult, StaleWeightsError, WorkersFailed, WorkerStats,
-                                    first_line)
-from rhymerl.rollout.worker import WorkerConfig
-
-
-class _Sent(NamedTuple):
-    """A share sent to a worker: which worker, its reply, and when it counts as late (time.monotonic)."""
-
-    worker: int
-    reply: ray.ObjectRef
-    deadline: float
+from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkersFailed, WorkerStats
+from rhymerl.rollout.worker import HANDOVER_RULES, WorkerConfig
 
 
 def connect(address: str = "") -> None:
@@ -81,12 +80,6 @@ def connect(address: str = "") -> None:
 DEFAULT_PLAN_COST = CostModel([1, 64], [1, 2], [[0.010, 0.011], [0.030, 0.050]])
 
 
-def _cause(error: RayTaskError) -> str:
-    """'Type: first line' of the exception a remote call raised (Ray wraps it with the remote traceback)."""
-    cause = getattr(error, "cause", None) or error
-    return f"{type(cause).__name__}: {first_line(cause)}"
-
-
 def _last_line(error: Exception) -> str:
     """The last line of `error`'s message: for an actor whose constructor raised, Ray's message ends with that
     exception (type and message) after its traceback."""
@@ -99,18 +92,21 @@ class RayPool:
     workers start from (version 0), `model_dir` its architecture; `timeout_s`: how long a worker's share of a
     call may take before the worker counts as dead (None: no limit); `max_restarts`: replacements of one
     worker, after which it is dropped and the others take its groups; `schedule` (one of SCHEDULES) splits each
-    call's groups, `migration` moves requests to idle workers in the tail (see the module doc). Call `connect`
-    first."""
+    call's groups (`tier2`: histopipe may split a long group), `migration` moves requests to idle workers in the
+    tail by `migration_rule` (one of HANDOVER_RULES; see the module doc). Call `connect` first."""
 
     def __init__(self, policy: Decoder, tokenizer, model_dir: str | os.PathLike, config: WorkerConfig,
                  history: HistoryStore, num_workers: int, seed: int = 0, device: str = "cpu",
                  cost_model: CostModel | None = None, timeout_s: float | None = None, max_restarts: int = 3,
-                 schedule: str = "static", migration: bool = False):
+                 schedule: str = "static", migration: bool = False, migration_rule: str = "half_busiest",
+                 tier2: bool = False):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.schedule, self.migration = schedule, migration
+        if migration_rule not in HANDOVER_RULES:
+            raise ValueError(f"migration_rule must be one of {HANDOVER_RULES}, got {migration_rule!r}")
+        self.schedule, self.migration, self.migration_rule, self.tier2 = schedule, migration, migration_rule, tier2
         self.migrations = 0  # requests moved between workers so far (each counted once)
         self.history = history
         self.config = config
@@ -174,10 +170,10 @@ class RayPool:
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, step: int | None = None) -> RolloutResult:
         started = time.time()  # the call's wall interval: the timeline's origin and the bubble ratio's span
         groups = list(groups)
-        call = _Call(self, params, step)
-        for share, w in zip(self.split(groups, len(self.actors), params.max_tokens), self.workers):
+        call = RayCall(self, params, step)
+        for share, w in zip(self.shares(groups, params.max_tokens), self.workers):
             if share:
-                call.send(call.add_share([groups[i] for i in share], []), w)
+                call.send(call.add_share(share, []), w)
         done = call.run()
         # A request comes back once; twice only when a worker that handed some over failed afterwards and its
         # share ran again: the same tokens (keyed randomness), so either copy will do.
@@ -191,16 +187,24 @@ class RayPool:
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
 
-    def split(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[int]]:
-        """Each live worker's groups (indices, in admission order) under `self.schedule`. `cap`: the call's
-        max_tokens, where a recorded length was cut (the predictor takes it as a lower bound, as the worker's
-        admission order and `histopipe/rank_corr` do)."""
+    def split(self, groups: list[RolloutGroup], num_workers: int, cap: int | None = None) -> list[list[Piece]]:
+        """Each live worker's pieces (group index, its request indices), in admission order, under
+        `self.schedule` (a whole group is one piece of all its requests; `tier2`: histopipe may cut a long
+        group). `cap`: the call's max_tokens, where a recorded length was cut (the predictor takes it as a
+        lower bound, as the worker's admission order and `histopipe/rank_corr` do)."""
         sizes = [len(g.request_ids) for g in groups]
         if self.schedule != "histopipe":
-            return plan(sizes, num_workers, self.schedule)
-        prompts = [g.prompt_ids for g in groups]
-        predicted = LengthPredictor.from_history(self.history, prompts, cap=cap).predict_many(prompts)
-        return plan(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.rollout.num_slots)
+            return plan_pieces(sizes, num_workers, self.schedule)
+        predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups], cap=cap)
+        predicted = [predictor.predict_group(g.prompt_ids, n) for g, n in zip(groups, sizes)]
+        return plan_pieces(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.rollout.num_slots,
+                           tier2=self.tier2)
+
+    def shares(self, groups: list[RolloutGroup], cap: int | None = None) -> list[list[RolloutGroup]]:
+        """Each live worker's share of `groups` (`split`), in worker-id order: a piece as a group of its
+        request ids."""
+        return [[RolloutGroup(groups[g].prompt_ids, [groups[g].request_ids[i] for i in idx]) for g, idx in share]
+                for share in self.split(groups, len(self.actors), cap)]
 
     def _plan_cost(self) -> CostModel:
         """The cost model `histopipe` plans with: the pool's, else the one the workers measured at start-up
@@ -254,97 +258,3 @@ class RayPool:
         for a in self.actors.values():
             ray.kill(a, no_restart=True)
         self.actors = {}
-
-
-class _Call:
-    """One `RayPool.rollout` call in flight, its state explicit: the shares (a share is groups in admission
-    order, or continuations moved to an idle worker; share k's history slice is `slices[k]`), the shares sent
-    and not answered yet (`pending`, by share) and the answers (`done`, by share). `run` is the event loop:
-    wait for the first answer or deadline; an answer is done and may start a migration, an actor that died or
-    is late has its shares sent again (`RayPool.replace_worker`)."""
-
-    def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
-        self.pool, self.params, self.step = pool, params, step
-        self.shares: list[tuple[list[RolloutGroup], list[Continuation]]] = []
-        self.slices: list[dict] = []
-        self.pending: dict[int, _Sent] = {}
-        self.done: dict[int, tuple[list[RequestOutput], WorkerStats]] = {}
-
-    def add_share(self, groups: list[RolloutGroup], moved: list[Continuation]) -> int:
-        """A new share and the history slice of its prompts; its index."""
-        self.shares.append((groups, moved))
-        prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in moved]
-        self.slices.append(self.pool.history.export(prompts))
-        return len(self.shares) - 1
-
-    def send(self, k: int, w: int) -> None:
-        """Share k to worker w; one queued behind another share of the same worker waits for it, so its
-        deadline starts after that one's."""
-        groups, moved = self.shares[k]
-        pool = self.pool
-        reply = pool.actors[w].rollout.remote(groups, self.params, self.slices[k], pool.weights_version, self.step,
-                                              moved)
-        after = max([time.monotonic()] + [s.deadline for s in self.pending.values() if s.worker == w])
-        self.pending[k] = _Sent(w, reply, after + pool.timeout_s if pool.timeout_s else math.inf)
-
-    def run(self) -> dict[int, tuple[list[RequestOutput], WorkerStats]]:
-        """Until every share is answered: the answers by share."""
-        while self.pending:
-            first = min(s.deadline for s in self.pending.values())
-            ready, _ = ray.wait([s.reply for s in self.pending.values()], num_returns=1,
-                                timeout=None if first == math.inf else max(0.0, first - time.monotonic()))
-            for reply in ready:
-                self._receive(reply)
-            late = {s.worker for s in self.pending.values() if s.deadline <= time.monotonic()}
-            for w in sorted(late):
-                self._failed(w, f"did not answer within {self.pool.timeout_s:g}s")
-        return self.done
-
-    def _receive(self, reply: ray.ObjectRef) -> None:
-        k = next((k for k, s in self.pending.items() if s.reply == reply), None)
-        if k is None:  # sent again meanwhile
-            return
-        try:
-            self.done[k] = ray.get(reply)
-            del self.pending[k]
-        except RayActorError as e:
-            self._failed(self.pending[k].worker, f"died ({type(e).__name__})")
-        except StaleWeightsError:  # raised through Ray: the caller's mistake, not the worker's fault
-            raise
-        except RayTaskError as e:  # its rollout raised: as in the local pool, a fresh worker runs it again
-            self._failed(self.pending[k].worker, f"raised {_cause(e)}")
-        else:
-            self._migrate(self.done[k][1].worker)
-
-    def _failed(self, w: int, why: str) -> None:
-        """Worker w failed: its shares run again, on w restarted or on the least busy worker."""
-        moved = [k for k, s in self.pending.items() if s.worker == w]
-        for k in moved:
-            del self.pending[k]
-        restarted = self.pool.replace_worker(w, why)
-        for k in moved:
-            self.send(k, w if restarted else self._least_busy())
-
-    def _least_busy(self) -> int:
-        return min(self.pool.actors, key=lambda w: sum(s.worker == w for s in self.pending.values()))
-
-    def _migrate(self, idle: int) -> None:
-        """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
-        (most pending requests) hands over some of its unfinished requests, sent to `idle` as a new share."""
-        pool = self.pool
-        if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
-            return
-        load: dict[int, int] = {}  # busy worker -> its pending requests
-        for k, s in self.pending.items():
-            groups, moved = self.shares[k]
-            load[s.worker] = load.get(s.worker, 0) + sum(len(g.request_ids) for g in groups) + len(moved)
-        if not load:
-            return
-        donor = max(sorted(load), key=load.__getitem__)
-        try:
-            moved = ray.get(pool.actors[donor].hand_over.remote(), timeout=pool.timeout_s)
-        except (RayActorError, GetTimeoutError):
-            return  # the donor's fault is for its rollout call to report
-        if moved:
-            self.send(self.add_share([], moved), idle)
-            pool.migrations += len(moved)

@@ -30,7 +30,6 @@ with the next step instead.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import ray
@@ -97,9 +96,8 @@ class RayStream:
         version, weights = self._published or (pool.weights_version, None)
         s = StreamedStep(list(groups), params, step, version, weights, defer=defer)
         orphans = [src for w, src in self._last_train.items() if w not in pool.workers] if train else []
-        for w, share in zip(pool.workers, pool.split(s.groups, len(pool.workers), params.max_tokens)):
-            if share or train:
-                picked = [s.groups[i] for i in share]
+        for w, picked in zip(pool.workers, pool.shares(s.groups, params.max_tokens)):
+            if picked or train:
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
                 k = len(s.shares) - 1
                 if train:  # a dropped worker's deferred requests go to the first worker's share

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,6 +16,8 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput, Status
+from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold
+from rhymerl.histopipe.fleet import POOL_MIGRATIONS
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histospec.speculator import Speculator
@@ -52,11 +55,17 @@ class WorkerConfig:
             raise ValueError("; ".join(errors))
 
 
-class _HandoverRequest:
-    """One `RolloutWorker.hand_over` call waiting for the generating thread's next step boundary."""
+HANDOVER_RULES = POOL_MIGRATIONS  # what `RolloutWorker.hand_over` takes (see there)
 
-    def __init__(self, n: int | None):
-        self.n = n
+
+class _HandoverRequest:
+    """One `RolloutWorker.hand_over` call waiting for the generating thread's next step boundary (with
+    rule "tail": for the first boundary where a request qualifies)."""
+
+    def __init__(self, n: int | None, rule: str, tail_share: float, grow: float):
+        if rule not in HANDOVER_RULES:
+            raise ValueError(f"hand_over rule must be one of {HANDOVER_RULES}, got {rule!r}")
+        self.n, self.rule, self.tail_share, self.grow = n, rule, tail_share, grow
         self.taken: list[Continuation] = []
         self.done = threading.Event()
 
@@ -90,8 +99,16 @@ class RolloutWorker:
         self._call_prompts: list[list[int]] = []
         self._call_cap: int | None = None  # the call's max_tokens: a recorded length there was cut (censored)
         self._predictor: LengthPredictor | None = None
+        # The call's requests that have finished so far, (prompt, length), fed to the predictor as they finish
+        # (`LengthPredictor.observe_finished`: a prompt's unfinished siblings are longer than its finished ones;
+        # without history, they are the prompt's only evidence), replayed into it when it is built later.
+        self._finished: list[tuple[list[int], int]] = []
+        self._given: Counter = Counter()  # the call's requests per prompt (a tuple): the tail rule's group size
+        self._thresholds: dict[tuple, float] = {}  # the tail rule's threshold per prompt, for the running call
         self._prior: dict = {}  # request id -> the token versions a continuation brought, for the running call
         self._deferral: TailDeferral | None = None  # the running call's (rollout.defer_tail)
+        self._step_wall = 0.0  # time.time() when the running call's current engine step started
+        self._spans: dict = {}  # request id -> [start, end] (time.time()) in the running call
 
     def admission_order(self, groups: Sequence[RolloutGroup], step: int | None = None) -> list[RolloutGroup]:
         """The order the groups enter the engine's queue (`rollout.admission_order`: "fifo" as given,
@@ -102,18 +119,39 @@ class RolloutWorker:
         order = self.config.rollout.admission_order
         if order == "fifo":
             return list(groups)
-        predicted = [self._predict(g.prompt_ids) for g in groups]
+        predicted = [self.predicted_length(g.prompt_ids) for g in groups]
         if order == "alternate" and step is not None and step % 2 == 1:
             predicted = [-p for p in predicted]  # shortest first (ties still in arrival order)
         return admission_order(list(groups), predicted)
 
-    def _predict(self, prompt_ids: list[int]) -> float:
-        """The predicted response length of a request of this prompt (one of the running call's), from the
-        history replica (`LengthPredictor`, over the call's prompts, lengths at the call's max_tokens censored:
-        the predictor the pool plans with and `histopipe/rank_corr` reports)."""
+    def predicted_length(self, prompt_ids: list[int]) -> float:
+        """The predicted response length of a request of this prompt (one of the running or last call's), from
+        the history replica (`LengthPredictor`, over the call's prompts, lengths at the call's max_tokens
+        censored: the predictor the pool plans with and `histopipe/rank_corr` reports) and the call's
+        requests finished so far (`LengthPredictor.observe_finished`: the unfinished siblings of a prompt are
+        longer than its finished ones, and without history they are all there is to go on)."""
+        return self._live_predictor().predict(prompt_ids)
+
+    def _live_predictor(self) -> LengthPredictor:
+        """The running call's predictor: the replica's history of the call's prompts, and the siblings
+        finished so far (`observe_finished`)."""
         if self._predictor is None:
             self._predictor = LengthPredictor.from_history(self.history, self._call_prompts, cap=self._call_cap)
-        return self._predictor.predict(prompt_ids)
+            for prompt, length in self._finished:
+                self._predictor.observe_finished(prompt, length)
+        return self._predictor
+
+    def _observe(self, event) -> None:
+        """An engine step's event (one per running request): the first dates the request's admission to the
+        step's start, the last its end; a request that finished informs the prediction of its unfinished
+        siblings."""
+        self._spans.setdefault(event.request_id, [self._step_wall, 0.0])
+        if event.output is not None:
+            self._spans[event.request_id][1] = time.time()
+        if event.output is not None and event.output.finish_reason != "error":
+            self._finished.append((event.output.prompt_ids, len(event.output.token_ids)))
+            if self._predictor is not None:
+                self._predictor.observe_finished(event.output.prompt_ids, len(event.output.token_ids))
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
@@ -154,7 +192,9 @@ class RolloutWorker:
         stats = WorkerStats(self.worker_id, started=time.time())
         stats.history_prompts_replaced = self.history.merge(history)
         self._call_prompts = [g.prompt_ids for g in groups] + [c.prompt_ids for c in continuations]
-        self._call_cap, self._predictor = params.max_tokens, None
+        self._call_cap, self._predictor, self._finished, self._thresholds = params.max_tokens, None, [], {}
+        self._given = Counter(tuple(g.prompt_ids) for g in groups for _ in g.request_ids)
+        self._given.update(tuple(c.prompt_ids) for c in continuations)
         self.engine.take_stats()  # this call's counters start here
         keep, rerun = carried(carry, (step or 1) - 1, max_staleness)  # training step s trains from version s - 1
         stats.reruns = len(rerun)
@@ -163,9 +203,10 @@ class RolloutWorker:
         ids = [c.request_id for c in rerun] + [rid for g in order for rid in g.request_ids]
         continuations = list(keep) + list(continuations)  # adopted before the prompts (Engine.generate)
         self._deferral = TailDeferral(groups, self._predict_longest) if defer else None
-        # The engine times a request from its arrival, when generate queues it, microseconds after wall0:
-        # wall0 + queued_s dates its admission to a slot (never before wall0), wall0 + total_s its end.
-        wall0 = time.time()
+        # Each request's span: from the start of the step that admitted it to the end of its last (`_observe`,
+        # `_between_steps`); one that never ran (rejected) from wall0 by the engine's own times.
+        wall0 = self._step_wall = time.time()
+        self._spans = {}
         # the versions of the tokens a continuation brings (sampled before it came here); its new ones are ours
         self._prior = {c.request_id: self._known_versions(c) for c in continuations}
         by_id = {o.request_id: o for o in self._generate(prompts, params, ids, continuations)}
@@ -175,8 +216,8 @@ class RolloutWorker:
         outputs = [by_id[rid] for rid in given if rid in by_id]
         for o in outputs:
             o.versions = self._stamped(o.request_id, len(o.token_ids))
-        stats.spans = [RequestSpan(o.request_id, wall0 + o.queued_s, wall0 + o.total_s, len(o.token_ids))
-                       for o in outputs]
+        ran = {o.request_id: self._spans.get(o.request_id, (wall0 + o.queued_s, wall0 + o.total_s)) for o in outputs}
+        stats.spans = [RequestSpan(o.request_id, *ran[o.request_id], len(o.token_ids)) for o in outputs]
         stats.requests = len(outputs)
         if self._deferral is not None:
             stats.deferred = self._deferral.deferred
@@ -187,9 +228,14 @@ class RolloutWorker:
         return outputs, stats
 
     def _predict_longest(self, prompt_ids: list[int], size: int) -> float:
-        """The predicted longest of a group of `size` requests of this prompt (the running call's predictor)."""
-        self._predict(prompt_ids)  # builds the call's predictor
-        return max(self._predictor.predict_group(prompt_ids, size))
+        """The predicted longest of a group of `size` requests of this prompt from its history alone (the
+        paper's tail rule, migration's and deferral's, measures growth against the history: what siblings
+        finished since does not move it), cached for the call."""
+        key = (tuple(prompt_ids), size)
+        if key not in self._thresholds:
+            history = self._live_predictor().copy()  # a copy knows the rollouts, nothing observed this call
+            self._thresholds[key] = max(history.predict_group(prompt_ids, size))
+        return self._thresholds[key]
 
     def _known_versions(self, c: Continuation) -> list[int]:
         """A continuation's token versions; one that carries none was sampled on this worker's version (a
@@ -202,14 +248,22 @@ class RolloutWorker:
         return prior + [self.weights_version] * (num_tokens - len(prior))
 
     # ---- migration ----------------------------------------------------------------------------------------
-    def hand_over(self, n: int | None = None, timeout: float = 60.0) -> list[Continuation]:
+    def hand_over(self, n: int | None = None, timeout: float | None = 60.0, rule: str = "half_busiest",
+                  tail_share: float = TAIL_SHARE, grow: float = GROW) -> list[Continuation]:
         """Called from another thread while `rollout` runs: at the engine's next step boundary, take up to `n`
-        unfinished requests out of it (default: half of them; it always keeps one) and return them as
-        continuations for another worker to adopt. Waiting requests go first, from the back of the queue
-        (they would start last, and carry no generated tokens to re-prefill), then running ones furthest past
-        their predicted length. [] when no rollout runs (it ended meanwhile) or within `timeout` seconds
-        no step boundary came."""
-        request = _HandoverRequest(n)
+        unfinished requests out of it and return them as continuations for another worker to adopt.
+
+        rule "half_busiest" (`rollout.migration_rule`): default n is half of them; it always keeps one.
+        Waiting requests go first, from the back of the queue (they would start last, and carry no generated
+        tokens to re-prefill), then running ones furthest past their predicted length.
+        rule "tail" (the paper's, as `histopipe.fleet` simulates it): only running requests in their group's
+        tail (the last `tail_share` of the group's requests on this worker still unfinished) that have grown
+        past (1 + `grow`) x the group's predicted longest member (its history's, `predict_group`), furthest
+        past first, and only while at least two run (a request alone gains nothing by moving); the request
+        waits for the first step boundary where one qualifies (default n 1).
+        [] when no rollout runs (it ended meanwhile) or within `timeout` seconds (None: no limit) nothing
+        was taken."""
+        request = _HandoverRequest(n, rule, tail_share, grow)
         with self._handover_lock:
             if not self._generating:
                 return []
@@ -231,7 +285,7 @@ class RolloutWorker:
             self._generating = True
         try:
             return self.engine.generate(prompts, params, request_ids=ids, continuations=continuations,
-                                        between_steps=self._between_steps)
+                                        on_event=self._observe, between_steps=self._between_steps)
         finally:
             with self._handover_lock:
                 self._generating = False
@@ -240,6 +294,9 @@ class RolloutWorker:
                 request.done.set()
 
     def _between_steps(self) -> None:
+        """A step boundary: the next step starts now (the admission time of what it admits); a hand-over
+        waiting for a boundary is served; with `rollout.defer_tail`, the share's tail is stopped."""
+        self._step_wall = time.time()
         self._serve_handover()
         if self._deferral is not None:
             self._deferral.check(self.engine)
@@ -251,13 +308,40 @@ class RolloutWorker:
             return
         try:
             unfinished = self.engine.unfinished()  # waiting in queue order, then running
-            n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
-            waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
-            running = sorted((q for q in unfinished if q.status != Status.WAITING),
-                             key=lambda q: self._predict(q.prompt_ids) - len(q.output_ids))
-            request.taken = [self.engine.extract(q.request_id) for q in (waiting + running)[:max(n, 0)]]
+            if request.rule == "tail":
+                picked = self._tail(unfinished, request)[:request.n or 1]
+                if not picked:  # none qualifies yet: ask again at the next boundary
+                    with self._handover_lock:
+                        if self._handover is None:
+                            self._handover, request = request, None
+                    if request is None:
+                        return
+            else:
+                n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
+                waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
+                running = sorted((q for q in unfinished if q.status != Status.WAITING),
+                                 key=lambda q: self.predicted_length(q.prompt_ids) - len(q.output_ids))
+                picked = (waiting + running)[:max(n, 0)]
+            request.taken = [self.engine.extract(q.request_id) for q in picked]
             for c in request.taken:
                 c.versions = self._stamped(c.request_id, len(c.output_ids))
         finally:
-            request.done.set()
+            if request is not None:  # None: put back for the next boundary (rule "tail")
+                request.done.set()
 
+    def _tail(self, unfinished: list, request: _HandoverRequest) -> list:
+        """The running requests the paper's rule would move now, furthest past their threshold first (see
+        `hand_over`)."""
+        running = [q for q in unfinished if q.status != Status.WAITING]
+        if len(running) < 2:
+            return []
+        left = Counter(tuple(q.prompt_ids) for q in unfinished)
+        past = []
+        for q in running:
+            key = tuple(q.prompt_ids)
+            if left[key] <= tail_size(self._given[key], request.tail_share):
+                longest = self._predict_longest(q.prompt_ids, max(self._given[key], 1))
+                over = len(q.output_ids) - threshold(longest, request.grow)
+                if over > 0:
+                    past.append((-over, q.request_id, q))
+        return [q for _, _, q in sorted(past, key=lambda x: x[:1])]
