@@ -244,8 +244,10 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
     device = device or default_device()
     dtype = resolve_dtype(dtype, device)
     policy, tokenizer, model_dir, prompts = policy_and_prompts(model, prompts, num_prompts, seed, device, task)
+    # schedule: the pool starts on histopipe (tier2 needs it); each variant below sets its own
     section = RolloutSection(backend="ray", num_workers=num_workers, num_slots=slots, dtype=dtype,
-                             speculative=speculative, max_draft_tokens=MAX_DRAFT_TOKENS, tier2=tier2)
+                             speculative=speculative, max_draft_tokens=MAX_DRAFT_TOKENS, schedule="histopipe",
+                             tier2=tier2)
     config = WorkerConfig(section, max_model_len=max(map(len, prompts)) + max_tokens + 1)
     pool = make_pool(config, "", policy, tokenizer, model_dir, HistoryStore(), seed=seed, device=device,
                      cost_model=cost_model)
