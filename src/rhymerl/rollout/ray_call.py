@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -14,9 +14,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.rollout.types import RolloutGroup, StaleWeightsError, WorkerStats, first_line
-
-if TYPE_CHECKING:
-    from rhymerl.rollout.ray_pool import RayPool
 
 
 class _Sent(NamedTuple):
@@ -43,7 +40,8 @@ class RayCall:
     first step boundary where one of its requests qualifies, or with nothing when its rollout ends; the call
     waits for every ask's answer, so that none is left to take requests of a later call."""
 
-    def __init__(self, pool: RayPool, params: SamplingParams, step: int | None):
+    def __init__(self, pool, params: SamplingParams, step: int | None):
+        # pool: the `RayPool` this call runs on (not imported: the pool imports this module, one way)
         self.pool, self.params, self.step = pool, params, step
         self.shares: list[tuple[list[RolloutGroup], list[Continuation]]] = []
         self.slices: list[dict] = []
