@@ -37,6 +37,7 @@ ENTRY = {
     "rhymerl bench pipe": "rhymerl.bench.pipe_bench",
     "rhymerl bench workers": "rhymerl.bench.workers_bench",
     "rhymerl bench e2e": "rhymerl.bench.e2e_bench",
+    "rhymerl bench update": "rhymerl.bench.update_bench",
 }
 GPU_MACHINES = ("H100", "H200")
 # Files only one kind of device runs (imported everywhere, executed only there).
