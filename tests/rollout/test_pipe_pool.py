@@ -101,12 +101,19 @@ def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(poo
     g0, i0 = min(((g, i) for g in range(6) for i in range(4)), key=lambda x: lengths[gs[x[0]].request_ids[x[1]]])
     rest = [(g, tuple(i for i in range(4) if (g, i) != (g0, i0))) for g in range(6)]
     monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(g0, (i0,))], [p for p in rest if p[1]]])
-    before, pool.migration = pool.migrations, True
-    moved = pool.rollout(gs, PARAMS)
-    pool.migration = False
-    assert [o.request_id for o in moved.outputs] == [rid for g in gs for rid in g.request_ids]
-    assert tokens(moved) == tokens(plain) == local_tokens(policy, gs, history)
-    totals = moved.engine_totals()
+    reference = local_tokens(policy, gs, history)
+    # The rule fires only while a qualifying request runs beside another on worker 1, and worker 0's ask
+    # arrives when its one request is done: on a loaded machine that can miss the window. Every call must
+    # return the same tokens; one of three must migrate.
+    for _ in range(3):
+        before, pool.migration = pool.migrations, True
+        moved = pool.rollout(gs, PARAMS)
+        pool.migration = False
+        assert [o.request_id for o in moved.outputs] == [rid for g in gs for rid in g.request_ids]
+        assert tokens(moved) == tokens(plain) == reference
+        totals = moved.engine_totals()
+        if totals.migrations:
+            break
     assert totals.migrations == totals.handed_over == pool.migrations - before > 0
     extra = moved.workers[2:]  # the shares of moved requests, after the two planned ones
     assert len(extra) == totals.migrations and all(w.requests == 1 and w.worker == 0 for w in extra)
