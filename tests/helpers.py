@@ -4,9 +4,13 @@ imports them from here, never from another test file.)"""
 
 from __future__ import annotations
 
+import os
+import signal
+
+import pytest
 import torch
 
-from rhymerl.config import RolloutSection
+from rhymerl.config import RolloutSection, TrainSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
@@ -14,6 +18,8 @@ from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.metrics import read_metrics
 from rhymerl.rl.logprobs import Sample
+from rhymerl.rl.ranks import RankFailure
+from rhymerl.rl.trainer import PolicyTrainer
 from rhymerl.rollout.worker import WorkerConfig
 from tiny_models import VOCAB, random_prompts
 
@@ -90,3 +96,48 @@ def train_rows(run) -> list[dict]:
 def learned(row: dict) -> dict:
     """What a step learned and rolled out, without its timings."""
     return {k: v for k, v in row.items() if k.startswith(("actor/", "critic/", "response_length/", "rollout/stal"))}
+
+
+# ---- the update's ranks (tests/rl/test_ranks.py, test_ray_ranks.py, torchrun_ranks_script.py) ----
+UPDATE_TEMPERATURE, UPDATE_MAX_LEN = 0.7, 8
+
+
+def update_batches(n: int = 3) -> list:
+    """Updates of 12 samples in groups of 3: with micro_batch_size 2, 5 micro-batches (an odd number, so one
+    rank runs a padding micro-batch) of the 8 sequences with a non-zero advantage."""
+    return [training_samples(seed=k, n=12, group=3) for k in range(n)]
+
+
+def update_cfg(**kw) -> TrainSection:
+    return TrainSection(**{"micro_batch_size": 2, "dtype": "fp32", "learning_rate": 1e-3, "total_steps": 4,
+                           "lr_scheduler": "linear", "warmup_steps": 1,
+                           "world_size": 2, **kw})
+
+
+def flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def assert_metrics_close(a: dict, b: dict, what: str) -> None:
+    """Every metric to 1e-5 relative (absolute below 1)."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(a[k])), f"{what}: {k} {a[k]} vs {b[k]}"
+
+
+def one_process_updates(model, cfg, batches, ref=None, state=None):
+    trainer = PolicyTrainer(model, cfg, UPDATE_TEMPERATURE, UPDATE_MAX_LEN, ref_model=ref, dtype="fp32")
+    if state is not None:
+        trainer.load_state_dict(state)
+    return trainer, [trainer.update(b) for b in batches]
+
+
+def killed_rank_message(group, batch) -> str:
+    """SIGKILL rank 1 of `group`, run an update: it must raise `RankFailure` with one line that says how to go
+    on (--resume); returns that line. The caller closes the group."""
+    os.kill(group.rank_pids()[1], signal.SIGKILL)
+    with pytest.raises(RankFailure) as failure:
+        group.update(batch)
+    msg = str(failure.value)
+    assert "\n" not in msg and "--resume" in msg, msg
+    return msg
