@@ -24,6 +24,7 @@ call's wall time) and the spread of the runs (slowest - fastest), bubble ratio (
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import sys
@@ -203,10 +204,11 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
     return out
 
 
-# (name, rollout.schedule, rollout.migration_rule or None: migration off)
+# (name, rollout.schedule, rollout.migration_rule or None: migration off). histopipe prices requests in
+# predicted forwards (`histopipe.pricing`, `RayPool.pricing`); "histopipe_tokens" in tokens, as it did before
 RAY_VARIANTS = (("static", "static", None), ("least_loaded", "least_loaded", None),
-                ("histopipe", "histopipe", None), ("histopipe+migration", "histopipe", "half_busiest"),
-                ("histopipe+tail", "histopipe", "tail"))
+                ("histopipe", "histopipe", None), ("histopipe_tokens", "histopipe", None),
+                ("histopipe+migration", "histopipe", "half_busiest"), ("histopipe+tail", "histopipe", "tail"))
 
 
 def call_figures(result, seconds: float) -> dict:
@@ -261,12 +263,14 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         for i, p in enumerate(prompts):  # epoch 1 gives histopipe its predictions
             pool.record(p, [o.token_ids for o in first.outputs[i * num_generations:(i + 1) * num_generations]])
         log(f"real, {num_workers} Ray workers: epoch 1 recorded")
+        rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward: every timed call plans on these alone
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + 2000)
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
         reference, identical = None, True
         for r in range(repeats):
             for name, schedule, rule in variants[r % len(variants):] + variants[:r % len(variants)]:
                 pool.schedule, pool.migration, pool.migration_rule = schedule, rule is not None, rule or "half_busiest"
+                pool.pricing, pool.rates = ("tokens" if name == "histopipe_tokens" else "forwards"), copy.deepcopy(rates)
                 plan = pool.split(groups("e2"), num_workers, max_tokens)  # as the call plans it (deterministic)
                 t0 = time.perf_counter()
                 result = pool.rollout(groups("e2"), params)

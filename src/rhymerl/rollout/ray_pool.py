@@ -21,7 +21,10 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
 - **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
   `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (each request's
   predicted length from the pool's history, `LengthPredictor.predict_group`, costed with the cost model the
-  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). A GRPO group stays whole, except under
+  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). Under HistoSpec (`pricing="forwards"`,
+  the default) a request is priced in predicted forwards, its predicted tokens over its prompt's tokens per
+  forward in the pool's last calls, and a step at a full batch's cost (`histopipe.pricing`); "tokens" plans on
+  tokens and `cost(n, n)`, as before (the bench's before/after). A GRPO group stays whole, except under
   `histopipe` with `rollout.tier2`: `plan.plan_pieces` (the simulator's planner) may cut a long group into
   pieces on several workers; a piece is sent as a group of its request ids, its siblings drafting from each
   other on their worker. Each worker's list is its admission order. Keyed randomness (seed, request id,
@@ -52,6 +55,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.plan import SCHEDULES, plan_pieces
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.pricing import TokensPerForward, speculative_step_cost
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
@@ -108,6 +112,8 @@ class RayPool:
             raise ValueError(f"migration_rule must be one of {HANDOVER_RULES}, got {migration_rule!r}")
         self.schedule, self.migration, self.migration_rule, self.tier2 = schedule, migration, migration_rule, tier2
         self.migrations = 0  # requests moved between workers so far (each counted once)
+        self.pricing = "forwards"  # histopipe's unit of work under HistoSpec (see the module doc), or "tokens"
+        self.rates = TokensPerForward()  # each prompt's tokens per forward in the calls so far (`rollout`)
         self.history = history
         self.config = config
         self.timeout_s = timeout_s or None
@@ -183,6 +189,7 @@ class RayPool:
             raise RuntimeError(f"rollout: requests {missing[:3]} came back from no worker (every request of a "
                                f"call must come back once)")
         outputs = [by_id[rid] for g in groups for rid in g.request_ids]
+        self.rates.observe(outputs)
         ran = {stats.worker for _, stats in done.values()}
         stats = [done[k][1] for k in sorted(done)] + [WorkerStats(w) for w in self.actors if w not in ran]
         return RolloutResult(outputs, stats, self.weights_version, started=started, finished=time.time())
@@ -197,8 +204,11 @@ class RayPool:
             return plan_pieces(sizes, num_workers, self.schedule)
         predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups], cap=cap)
         predicted = [predictor.predict_group(g.prompt_ids, n) for g, n in zip(groups, sizes)]
-        return plan_pieces(sizes, num_workers, "histopipe", predicted, self._plan_cost(), slots=self.config.rollout.num_slots,
-                           tier2=self.tier2)
+        slots, cost = self.config.rollout.num_slots, self._plan_cost()
+        if self.pricing == "forwards" and self.config.rollout.speculative != "off":  # histopipe.pricing
+            predicted = [self.rates.forwards(g.prompt_ids, p) for g, p in zip(groups, predicted)]
+            cost = speculative_step_cost(cost, slots, True)
+        return plan_pieces(sizes, num_workers, "histopipe", predicted, cost, slots=slots, tier2=self.tier2)
 
     def shares(self, groups: list[RolloutGroup], cap: int | None = None) -> list[list[RolloutGroup]]:
         """Each live worker's share of `groups` (`split`), in worker-id order: a piece as a group of its

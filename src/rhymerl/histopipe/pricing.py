@@ -1,0 +1,92 @@
+"""What the planner counts a request's work in when HistoSpec decodes it: engine forwards, not tokens
+(docs/design.md, section 4, "HistoPipe, part by part": Pricing).
+
+Without speculation a sequence commits one token per forward, and a step of n sequences costs `cost(n, n)`:
+the planner's worker model (`batching.worker_time`) on token counts is then exact. With HistoSpec, two things
+change, both measured on the recorded `repeat` workload (docs/notebook/2026-11-27-c-h32real.md):
+
+- a request commits `tokens_per_forward` tokens per forward it takes part in, and that rate is the prompt's:
+  answers that its history or its siblings draft well take far fewer forwards per token (1.1 to 4.0 on that
+  workload). Two workers given equal predicted tokens ran 121 and 178 forwards;
+- a step costs about the same whatever the number of running sequences: the speculator fills a small
+  batch's forward with draft tokens (it drafts where the measured cost model says room is cheap), so the
+  worker's seconds follow its forwards (0.27 to 0.40 s per forward across batches of 5 to 11 sequences
+  under the same load), where `cost(n, n)` priced a tail of one sequence at a third of a full step.
+
+So a request's price is its predicted forwards, its predicted tokens over its prompt's tokens per forward
+(`TokensPerForward`, learned from the pool's last calls: `RequestOutput.forwards`), and a step's price is a
+full batch's (`speculative_step_cost`). The continuous-batching model run on those lengths gives each
+worker's forwards exactly (tested: it is the same discrete process), so the planner balances what the
+workers' seconds follow. With speculation off every rate is 1 and the cost model is used as it is: one
+model, of which token pricing is the special case the simulator runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rhymerl.histopipe.batching import Cost
+from rhymerl.history import prompt_key
+
+MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
+
+
+class TokensPerForward:
+    """Per prompt, the tokens a request committed per forward it took part in, over the last calls that ran
+    the prompt (`observe`); `rate(prompt)` falls back to the mean over every prompt seen, else 1.0 (token
+    pricing). `decay`: the weight of the older calls against the newest (0: the newest alone)."""
+
+    def __init__(self, decay: float = 0.5):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self._rates: dict[str, tuple[float, float]] = {}  # prompt key -> (decayed tokens, decayed forwards)
+
+    def observe(self, outputs) -> None:
+        """A call's outputs (`RequestOutput`s: prompt_ids, token_ids, forwards); one without forwards counted
+        (an error, a bare engine) is left out."""
+        call: dict[str, list[int]] = {}
+        for o in outputs:
+            if o.forwards > 0 and o.token_ids:
+                t = call.setdefault(prompt_key(o.prompt_ids), [0, 0])
+                t[0] += len(o.token_ids)
+                t[1] += o.forwards
+        for key, (tokens, forwards) in call.items():
+            old_t, old_f = self._rates.get(key, (0.0, 0.0))
+            self._rates[key] = (self.decay * old_t + tokens, self.decay * old_f + forwards)
+
+    def rate(self, prompt_ids: Sequence[int]) -> float:
+        """The prompt's tokens per forward (at least MIN_RATE); the mean of all prompts' when it has none."""
+        got = self._rates.get(prompt_key(prompt_ids))
+        if got is None:
+            if not self._rates:
+                return MIN_RATE
+            tokens = sum(t for t, _ in self._rates.values())
+            got = (tokens, sum(f for _, f in self._rates.values()))
+        return max(MIN_RATE, got[0] / max(got[1], 1e-9))
+
+    def forwards(self, prompt_ids: Sequence[int], predicted: Sequence[float]) -> list[float]:
+        """Predicted lengths (tokens) of the prompt's requests as predicted forwards."""
+        r = self.rate(prompt_ids)
+        return [p / r for p in predicted]
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "rates": {k: list(v) for k, v in self._rates.items()}}
+
+
+class FlatStepCost:
+    """A step's price whatever its sequences (see the module doc): `cost(slots, slots)`, a full batch of
+    one-token rows on `cost`'s own grid. Callable like a `CostModel`."""
+
+    def __init__(self, cost: Cost, slots: int):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.seconds = float(cost(slots, slots))
+
+    def __call__(self, tokens: int, seqs: int = 1) -> float:
+        return self.seconds
+
+
+def speculative_step_cost(cost: Cost, slots: int, speculative: bool) -> Cost:
+    """The step cost the planner uses: `FlatStepCost` under HistoSpec, `cost` itself without speculation."""
+    return FlatStepCost(cost, slots) if speculative else cost
