@@ -4,12 +4,14 @@ tokens per sequence-forward, prefill tokens, busy and wall seconds). Counts are 
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/pipe_per_worker.py [--schedules static,least_loaded,histopipe]
 
-Prints one JSON object per (round, schedule) on stdout; progress on stderr.
+histopipe plans in predicted forwards (`histopipe.pricing`), histopipe_tokens in tokens (the old pricing);
+both on epoch 1's tokens per forward. Prints one JSON object per (round, schedule) on stdout; progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -33,7 +35,7 @@ def per_request(outputs, n: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--schedules", default="static,least_loaded,histopipe")
+    ap.add_argument("--schedules", default="static,least_loaded,histopipe,histopipe_tokens")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=RECORDED.prompts)
     args = ap.parse_args()
@@ -57,11 +59,13 @@ def main() -> None:
         print(json.dumps({"epoch1": per_request(first.outputs, n)}), flush=True)
         params = SamplingParams(temperature=w.temperature, max_tokens=w.max_tokens, seed=2000)
         cost = pool._plan_cost()
-        step_cost = decode_costs(cost, slots)
+        step_cost, flat = decode_costs(cost, slots), [0.0] + [1.0] * slots
         predictor = LengthPredictor.from_history(pool.history, prompts, cap=w.max_tokens)
+        rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward, as `bench pipe` plans every call on
         for r in range(args.rounds):
             for schedule in args.schedules.split(","):
-                pool.schedule, pool.migration = schedule, False
+                pool.schedule, pool.migration = schedule.removesuffix("_tokens"), False  # histopipe_tokens: the old pricing
+                pool.pricing, pool.rates = ("tokens" if schedule.endswith("_tokens") else "forwards"), copy.deepcopy(rates)
                 gs = groups("e2")
                 plan = pool.split(gs, 2, w.max_tokens)
                 t0 = time.perf_counter()
@@ -71,13 +75,15 @@ def main() -> None:
                 rows = []
                 for wk, share in enumerate(plan):
                     pred = [predictor.predict_group(prompts[g], n)[i] for g, idx in share for i in idx]
+                    fwd_pred = [rates.forwards(prompts[g], predictor.predict_group(prompts[g], n))[i]
+                                for g, idx in share for i in idx]
                     ids = [gs[g].request_ids[i] for g, idx in share for i in idx]
                     actual = [len(by_id[x].token_ids) for x in ids]
                     st = next(s for s in result.workers if s.worker == wk)
                     e, sp = st.engine, st.spec
                     rows.append({
                         "worker": wk, "requests": len(ids), "groups": [g for g, _ in share],
-                        "pred_tokens": round(sum(pred)), "pred_s": round(worker_time(pred, slots, step_cost), 3),
+                        "pred_tokens": round(sum(pred)), "pred_forwards": round(worker_time(fwd_pred, slots, flat)), "pred_s": round(worker_time(pred, slots, step_cost), 3),
                         "true_len_model_s": round(worker_time(actual, slots, step_cost), 3),
                         "tokens": e.generated_tokens, "forwards": e.forward_passes, "seq_steps": e.seq_steps,
                         "tok_per_seq_fwd": round(e.tokens_per_seq_forward, 3),

@@ -9,14 +9,16 @@ at lengths from 1 to the cap, as a length-aware schedule needs."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from rhymerl.config import load_config
 from rhymerl.cost_model import CostModel
-from rhymerl.histopipe.batching import run_worker
+from rhymerl.histopipe.batching import run_worker, worker_time
+from rhymerl.histopipe.pricing import TokensPerForward
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.history import HistoryStore
+from rhymerl.history import HistoryStore, prompt_key
 from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams
 from rhymerl.rollout.ray_pool import RayPool
@@ -66,10 +68,12 @@ def local_tokens(policy, gs, history):
 def test_tier2_spreads_a_long_group_over_both_workers_and_changes_no_token(pool, policy):
     """Prompt 0's history says its answers are long, the others' short: histopipe with tier 2 cuts its group
     into pieces on both workers (a piece is a group of some of its request ids), and every response is the
-    unsplit pool's and the in-process pool's."""
+    unsplit pool's and the in-process pool's. Priced in tokens (a step dearer with more sequences): priced in
+    forwards under HistoSpec a step costs the same whatever its batch, and a group that fits a worker's slots
+    gains nothing by a split (`histopipe.pricing`)."""
     prompts = random_prompts(5, seed=31)
     pool.history = history = HistoryStore()
-    pool.schedule, pool.tier2, pool.migration = "histopipe", True, False
+    pool.schedule, pool.tier2, pool.migration, pool.pricing = "histopipe", True, False, "tokens"
     for i, p in enumerate(prompts):
         pool.record(p, [[5] * (36 if i == 0 else 2)] * 4)
     gs = groups(prompts, 4, "t")
@@ -83,6 +87,41 @@ def test_tier2_spreads_a_long_group_over_both_workers_and_changes_no_token(pool,
     assert all(len(idx) == 4 for share in pool.split(gs, 2, PARAMS.max_tokens) for _, idx in share)
     whole = pool.rollout(gs, PARAMS)
     assert tokens(split) == tokens(whole) == local_tokens(policy, gs, history)
+
+
+def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy):
+    """The pool learns each prompt's tokens per forward from its calls (`RayPool.rates`); histopipe then
+    plans in predicted forwards (`histopipe.pricing`). Prompt 0's answers are predicted 3x as long as the
+    others' but draft at 4 tokens a forward: token pricing gives it a worker of its own, forward pricing
+    balances the workers' predicted forwards better, and the tokens are static's and the in-process pool's."""
+    prompts = random_prompts(5, seed=33)
+    pool.history = history = HistoryStore()
+    pool.schedule, pool.tier2, pool.migration = "histopipe", False, False
+    for i, p in enumerate(prompts):
+        pool.record(p, [[5] * (36 if i == 0 else 12)] * 4)
+    gs = groups(prompts, 4, "f")
+    pool.rates = TokensPerForward()
+    pool.rates.observe([SimpleNamespace(prompt_ids=p, token_ids=[5] * 40, forwards=10 if i == 0 else 40)
+                        for i, p in enumerate(prompts)])
+    plans = {}
+    for pool.pricing in ("tokens", "forwards"):
+        plans[pool.pricing] = pool.split(gs, 2, PARAMS.max_tokens)
+    pool.pricing = "forwards"
+    flat = [0.0] + [1.0] * SPEC.rollout.num_slots
+
+    def forwards(share):  # a worker's predicted forwards: the pool's predicted lengths over the rates
+        predictor = LengthPredictor.from_history(history, prompts, cap=PARAMS.max_tokens)
+        lengths = [pool.rates.forwards(prompts[g], predictor.predict_group(prompts[g], 4)) for g, _ in share]
+        return worker_time([n for ls in lengths for n in ls], SPEC.rollout.num_slots, flat)
+
+    worst = {k: max(forwards(share) for share in plan) for k, plan in plans.items()}
+    assert worst["forwards"] < worst["tokens"]
+    priced = pool.rollout(gs, PARAMS)
+    assert sorted(w.requests for w in priced.workers) == sorted(sum(len(i) for _, i in s) for s in plans["forwards"])
+    pool.schedule = "static"
+    assert tokens(priced) == tokens(pool.rollout(gs, PARAMS)) == local_tokens(policy, gs, history)
+    learned = pool.rates.state_dict()["rates"][prompt_key(prompts[1])]  # the calls' own forwards were learned
+    assert learned != [40.0, 40.0] and learned[1] > 40.0
 
 
 def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(pool, policy, monkeypatch):
