@@ -7,11 +7,12 @@ change, both measured on the recorded `repeat` workload (docs/notebook/2026-11-2
 
 - a request commits `tokens_per_forward` tokens per forward it takes part in, and that rate is the prompt's:
   answers that its history or its siblings draft well take far fewer forwards per token (1.1 to 4.0 on that
-  workload). Two workers given equal predicted tokens ran 121 and 178 forwards;
+  workload). Histopipe's two workers, given 2,228 and 2,084 predicted tokens, ran 109 and 169 forwards;
 - a step costs about the same whatever the number of running sequences: the speculator fills a small
   batch's forward with draft tokens (it drafts where the measured cost model says room is cheap), so the
-  worker's seconds follow its forwards (0.27 to 0.40 s per forward across batches of 5 to 11 sequences
-  under the same load), where `cost(n, n)` priced a tail of one sequence at a third of a full step.
+  worker's seconds follow its forwards more than its batch (0.25 to 0.45 s per forward across batches of 5
+  to 11 sequences under one load), where `cost(n, n)` priced a tail of one sequence at a third of a full
+  step. Left out: a forward that feeds more draft tokens costs more (measured, not yet priced: the notebook).
 
 So a request's price is its predicted forwards, its predicted tokens over its prompt's tokens per forward
 (`TokensPerForward`, learned from the pool's last calls: `RequestOutput.forwards`), and a step's price is a
