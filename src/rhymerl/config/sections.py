@@ -16,6 +16,7 @@ from rhymerl.config.fields import ConfigError, field_errors, must_be
 from rhymerl.config.fields import option as _opt
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module and the three below
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS
+from rhymerl.histopipe.stream_fleet import STREAM_MIGRATIONS
 from rhymerl.histopipe.plan import ADMISSION_ORDERS
 from rhymerl.histopipe.plan import SCHEDULES as ROLLOUT_SCHEDULES
 from rhymerl.histospec.budget import DRAFT_RULES
@@ -211,9 +212,11 @@ class RolloutSection(_Section):
                  " (tier 2 splits the groups histopipe predicts long)"),
                 ("stream", not self.stream or self.mode == "one_step_off", "false unless rollout.mode=one_step_off",
                  " (the stream queues step t+1 behind step t, one weights version behind)"),
-                ("stream", not (self.stream and self.migration), "false with rollout.migration=true",
-                 " (migration moves a call's tail to idle workers; the stream fills their time with the next step "
-                 "instead)"),
+                ("migration_rule", not (self.stream and self.migration) or self.migration_rule in STREAM_MIGRATIONS,
+                 f"one of {', '.join(STREAM_MIGRATIONS)} with rollout.stream=true",
+                 " (the rules migration inside the stream runs: rollout/ray_stream.py)"),
+                ("defer_tail", not (self.defer_tail and self.migration), "false with rollout.migration=true",
+                 " (a deferred tail stays on its worker; migration moves it to an idle one: choose one)"),
                 ("defer_tail", not self.defer_tail or self.stream, "false unless rollout.stream=true",
                  " (a deferred request continues in its worker's share of the next step, which the stream queues; "
                  "sync mode is refused)"),

@@ -52,13 +52,14 @@ class _Worker:
 
 def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Sequence[Sequence[Sequence[Piece]]], *,
                     slots: int, cost_model: Cost, predicted: Sequence[Sequence[Sequence[float]]] | None = None,
-                    migration: str | None = None, train_s: float = 0.0):
+                    migration: str | None = None, train_s: float = 0.0, log: list | None = None):
     """Run `steps[t]` (step t+1's groups, each its requests' true lengths) in one_step_off with the stream, worker
     w running `assignments[t][w]` (its pieces, admission order) as its share of step t+1; `migration` None or one
     of STREAM_MIGRATIONS (see the module doc); `predicted[t][g]`: group g's predicted request lengths (half_busiest
     reads the longest; None: the true lengths are not shown, every request is predicted 0). Returns the run's
     timeline (step t's groups after step t-1's), each step's rollout (start, end) and update (start, end), and
-    the requests moved (`simulate.simulate_run(migration=...)` wraps them as a `SimulatedRun`)."""
+    the requests moved (`simulate.simulate_run(migration=...)` wraps them as a `SimulatedRun`). `log`, when
+    given, gets each share as it starts: (worker, step index, its requests as (step index, group, index), moved)."""
     if migration is not None and migration not in STREAM_MIGRATIONS:
         raise ValueError(f"unknown stream migration {migration!r}; choose from {', '.join(STREAM_MIGRATIONS)}")
     if len(assignments) != len(steps):
@@ -156,6 +157,9 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
         wk.step_of, wk.clock = share.step, max(wk.clock, now)
         starts[share.step] = min(starts.get(share.step, wk.clock), wk.clock)
         wk.queue = deque(share.rids)
+        if log is not None:
+            log.append((w, share.step, [(share.step, reqs[r][0] - first_group[share.step], reqs[r][1])
+                                        for r in share.rids], share.moved))
         wk.version += 1
         schedule(w)
 
