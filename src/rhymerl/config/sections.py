@@ -172,7 +172,8 @@ class RolloutSection(_Section):
                          "until histopipe is measured to win", ROLLOUT_SCHEDULES)
     migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes over half of the "
                            "unfinished requests of one still running, at its next step boundary (re-prefilling "
-                           "them; the same tokens); off until measured to win")
+                           "them; the same tokens); with stream=true, from the oldest step still running, while "
+                           "its next share waits for weights; off until measured to win")
     migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
                                "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
                                "running request at a time, in its group's last 10% still unfinished and grown past "
