@@ -278,11 +278,13 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     if migration is not None:
         plans = [_step_assignment(t, lengths, num_workers, policy, mode, slots, cost_model, predicted, assignments,
                                   plan_kwargs) for t, lengths in enumerate(steps, start=1)]
-        timeline, rollouts, updates, moved = simulate_stream(steps, [as_pieces(a, ls) for a, ls in zip(plans, steps)], slots=slots,
-                                     cost_model=cost_model, migration=migration, train_s=train_s,
-                                     predicted=None if predicted is None else [
-                                         [list(p) if isinstance(p, Sequence) else [p] * len(g) for p, g in zip(ps, ls)]
-                                         for ps, ls in zip(predicted, steps)])
+        pieces = [as_pieces(a, ls) for a, ls in zip(plans, steps)]
+        per_request = None if predicted is None else [  # each request's predicted length, per group
+            [list(p) if isinstance(p, Sequence) else [p] * len(g) for p, g in zip(ps, ls)]
+            for ps, ls in zip(predicted, steps)]
+        timeline, rollouts, updates, moved = simulate_stream(steps, pieces, slots=slots, cost_model=cost_model,
+                                                             predicted=per_request, migration=migration,
+                                                             train_s=train_s)
         return SimulatedRun(timeline, rollouts, updates, moved=moved)
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],
