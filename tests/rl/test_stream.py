@@ -58,12 +58,16 @@ def test_staleness_is_over_the_trained_tokens():
     assert staleness_metrics(4, [out([])]) == {}
 
 
-def test_the_stream_needs_one_step_off_and_no_migration():
+def test_the_stream_needs_one_step_off_and_migrates_by_its_rules_without_deferral():
     ray = ["rollout.backend=ray", "rollout.num_workers=2"]
     with pytest.raises(ConfigError, match=r"rollout\.stream: must be false unless rollout\.mode=one_step_off"):
         load_config(None, ray + ["rollout.stream=true"])
-    with pytest.raises(ConfigError, match=r"rollout\.stream: must be false with rollout\.migration=true"):
-        load_config(None, ray + ["rollout.mode=one_step_off", "rollout.stream=true", "rollout.migration=true"])
+    stream = ray + ["rollout.mode=one_step_off", "rollout.stream=true", "rollout.migration=true"]
+    with pytest.raises(ConfigError, match=r"rollout\.migration_rule: must be one of half_busiest with rollout\.stream"):
+        load_config(None, stream + ["rollout.migration_rule=tail"])
+    with pytest.raises(ConfigError, match=r"rollout\.defer_tail: must be false with rollout\.migration=true"):
+        load_config(None, stream + ["rollout.defer_tail=true"])
+    assert load_config(None, stream).rollout.migration
     assert load_config(None, ray + ["rollout.mode=one_step_off", "rollout.stream=true"]).rollout.stream
 
 

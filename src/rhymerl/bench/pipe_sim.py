@@ -56,6 +56,7 @@ from rhymerl.histopipe.metrics import summary as step_summary
 from rhymerl.histopipe.plan import POLICIES, plan_pieces
 from rhymerl.histopipe.predict import LengthPredictor, rank_report
 from rhymerl.histopipe.simulate import MODES, run_plan, simulate_run
+from rhymerl.histopipe.stream_fleet import STREAM_MIGRATIONS
 from rhymerl.histopipe.trace import read_trace
 from rhymerl.histopipe.workload import Rhyming
 
@@ -176,7 +177,7 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
                      for p in policies}
             row["modes"] = simulate_modes([(ls, ps) for _, ls, ps, _ in steps], w, slots, cost_model, plans, modes,
                                           train_s, gantt_dir if w <= GANTT_MAX_WORKERS else None, defer_tail,
-                                          max_staleness)
+                                          max_staleness, migrations)
         out["workers"][str(w)] = rounded(row)
         hp = row.get("histopipe", {})
         log(f"{w} workers x {slots} slots, {row['groups']} groups: "
@@ -251,28 +252,38 @@ def trace_cap(rows: Sequence[dict]) -> int | None:
 
 def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],
                    train_s: float, gantt_dir: str | Path | None = None, defer_tail: bool = True,
-                   max_staleness: int = 1) -> dict:
+                   max_staleness: int = 1, migrations: Sequence[str] = MIGRATIONS) -> dict:
     """Per mode and policy, the run of `steps` ((lengths, predicted) each) on the policy's `plans` (one per
     step): its figures (see the module doc), and with `gantt_dir` its Gantt chart. With `defer_tail`,
     one_step_off defers each step's tail (`rollout.defer_tail`) under `max_staleness` and counts what it
-    deferred and ran again."""
+    deferred and ran again. In one_step_off, `POLICY+RULE` for histopipe and static and each rule of
+    `migrations` the stream runs (`stream_fleet.STREAM_MIGRATIONS`): the stream with `rollout.migration`
+    (without deferral), with the requests it `moved`."""
     out: dict = {}
+    stream_rules = [r for r in migrations if r in STREAM_MIGRATIONS]
     for mode in [m for m in MODES if m in modes]:  # sync first: one_step_off's speed-up is over it
         out[mode] = {}
-        for policy, assignments in plans.items():
-            # one_step_off as the loop runs it with rollout.stream and rollout.defer_tail
-            defer = defer_tail and mode == "one_step_off"
+        runs = [(p, None) for p in plans] + [(p, r) for r in stream_rules for p in ("histopipe", "static")
+                                             if p in plans and mode == "one_step_off"]
+        for policy, rule in runs:
+            assignments = plans[policy]
+            name = policy if rule is None else f"{policy}+{rule}"
+            # one_step_off as the loop runs it with rollout.stream and rollout.defer_tail (or rollout.migration)
+            defer = defer_tail and mode == "one_step_off" and rule is None
             run = simulate_run([ls for ls, _ in steps], workers, policy, mode=mode, slots=slots,
                                cost_model=cost_model, train_s=train_s, assignments=assignments,
-                               predicted=[ps for _, ps in steps], defer_tail=defer, max_staleness=max_staleness)
-            out[mode][policy] = {"total_s": run.total, "step_s": run.total / len(steps),
-                                 "bubble": bubble_ratio(run.timeline, span=run.total)}
+                               predicted=[ps for _, ps in steps], defer_tail=defer, max_staleness=max_staleness,
+                               migration=rule)
+            out[mode][name] = {"total_s": run.total, "step_s": run.total / len(steps),
+                               "bubble": bubble_ratio(run.timeline, span=run.total)}
+            if rule is not None:
+                out[mode][name]["moved"] = run.moved
             if defer:
-                out[mode][policy] |= {"deferred": run.deferred, "rerun": run.rerun,
+                out[mode][name] |= {"deferred": run.deferred, "rerun": run.rerun,
                                       "rerun_tokens": run.rerun_tokens}
             if gantt_dir is not None:
-                write_gantt(Path(gantt_dir) / f"gantt_{workers}_{policy}_{mode}.png", run,
-                            f"{policy}, {mode}, {workers} workers x {slots} slots, {len(steps)} steps")
+                write_gantt(Path(gantt_dir) / f"gantt_{workers}_{name}_{mode}.png", run,
+                            f"{name}, {mode}, {workers} workers x {slots} slots, {len(steps)} steps")
         base = out[mode].get("static", {}).get("total_s")
         for policy, r in out[mode].items():
             r["speedup_vs_static"] = base / r["total_s"] if base and r["total_s"] > 0 else None

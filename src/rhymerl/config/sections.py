@@ -16,6 +16,7 @@ from rhymerl.config.fields import ConfigError, field_errors, must_be
 from rhymerl.config.fields import option as _opt
 from rhymerl.data.dataset import BUILTIN_TASKS  # torch-free, like this module and the three below
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS
+from rhymerl.histopipe.stream_fleet import STREAM_MIGRATIONS
 from rhymerl.histopipe.plan import ADMISSION_ORDERS
 from rhymerl.histopipe.plan import SCHEDULES as ROLLOUT_SCHEDULES
 from rhymerl.histospec.budget import DRAFT_RULES
@@ -171,7 +172,8 @@ class RolloutSection(_Section):
                          "until histopipe is measured to win", ROLLOUT_SCHEDULES)
     migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes over half of the "
                            "unfinished requests of one still running, at its next step boundary (re-prefilling "
-                           "them; the same tokens); off until measured to win")
+                           "them; the same tokens); with stream=true, from the oldest step still running, while "
+                           "its next share waits for weights; off until measured to win")
     migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
                                "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
                                "running request at a time, in its group's last 10% still unfinished and grown past "
@@ -211,9 +213,10 @@ class RolloutSection(_Section):
                  " (tier 2 splits the groups histopipe predicts long)"),
                 ("stream", not self.stream or self.mode == "one_step_off", "false unless rollout.mode=one_step_off",
                  " (the stream queues step t+1 behind step t, one weights version behind)"),
-                ("stream", not (self.stream and self.migration), "false with rollout.migration=true",
-                 " (migration moves a call's tail to idle workers; the stream fills their time with the next step "
-                 "instead)"),
+                ("migration_rule", not (self.stream and self.migration) or self.migration_rule in STREAM_MIGRATIONS,
+                 f"one of {', '.join(STREAM_MIGRATIONS)} with rollout.stream=true", " (the stream's rules)"),
+                ("defer_tail", not (self.defer_tail and self.migration), "false with rollout.migration=true",
+                 " (a deferred tail stays on its worker; migration moves it to an idle one: choose one)"),
                 ("defer_tail", not self.defer_tail or self.stream, "false unless rollout.stream=true",
                  " (a deferred request continues in its worker's share of the next step, which the stream queues; "
                  "sync mode is refused)"),

@@ -45,6 +45,7 @@ from rhymerl.histopipe.deferral import continues, defer_on_worker, tail_size, th
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.plan import plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
+from rhymerl.histopipe.stream_fleet import simulate_stream
 from rhymerl.histopipe.timeline import Timeline
 
 
@@ -236,6 +237,7 @@ class SimulatedRun:
     deferred: int = 0  # requests deferred into the next step (`defer_tail`)
     rerun: int = 0  # ... of which run again from scratch (`max_staleness`)
     rerun_tokens: float = 0.0  # the tokens those had generated, thrown away
+    moved: int = 0  # requests moved between workers (`migration`)
 
     @property
     def total(self) -> float:
@@ -246,7 +248,7 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
                  slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
                  train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
                  save_every: int = 0, defer_tail: bool = False, max_staleness: int = 1,
-                 **plan_kwargs) -> SimulatedRun:
+                 migration: str | None = None, **plan_kwargs) -> SimulatedRun:
     """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
     (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
     update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
@@ -255,7 +257,10 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     `defer_tail` (the loop's `rollout.defer_tail`, needs `predicted`): each step but the last and those that
     end in a checkpoint defers its tail (`deferral.py`) into the same worker's share of the next step, run
     first there; a deferred request's oldest token is trained `lag` versions after its weights (the mode's
-    lag below), so it keeps its tokens when that is at most `max_staleness`, else it runs again from scratch."""
+    lag below), so it keeps its tokens when that is at most `max_staleness`, else it runs again from scratch.
+    `migration` (one_step_off, the loop's `rollout.migration` with the stream; `stream_fleet.STREAM_MIGRATIONS`):
+    all workers on one clock (`stream_fleet.simulate_stream`), a worker out of work it may start taking requests
+    of the oldest step still running; its run's `moved` counts them."""
     if mode not in _LAG:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if train_s < 0:
@@ -267,6 +272,20 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
         raise ValueError(f"max_staleness {max_staleness} is below {mode}'s own staleness {_LAG[mode] - 1}")
     if defer_tail and predicted is None:
         raise ValueError("defer_tail needs the predictions (each group's predicted longest member)")
+    if migration is not None and (mode != "one_step_off" or defer_tail or save_every):
+        raise ValueError("migration in a run of steps is the stream's: one_step_off, without defer_tail or "
+                         "save_every (sync steps migrate in fleet.simulate_fleet)")
+    if migration is not None:
+        plans = [_step_assignment(t, lengths, num_workers, policy, mode, slots, cost_model, predicted, assignments,
+                                  plan_kwargs) for t, lengths in enumerate(steps, start=1)]
+        pieces = [as_pieces(a, ls) for a, ls in zip(plans, steps)]
+        per_request = None if predicted is None else [  # each request's predicted length, per group
+            [list(p) if isinstance(p, Sequence) else [p] * len(g) for p, g in zip(ps, ls)]
+            for ps, ls in zip(predicted, steps)]
+        timeline, rollouts, updates, moved = simulate_stream(steps, pieces, slots=slots, cost_model=cost_model,
+                                                             predicted=per_request, migration=migration,
+                                                             train_s=train_s)
+        return SimulatedRun(timeline, rollouts, updates, moved=moved)
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],
                         occupancy=[[] for _ in range(num_workers)])
@@ -276,11 +295,8 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     rollouts: list[tuple[float, float]] = []
     updates: list[tuple[float, float]] = []
     for t, lengths in enumerate(steps, start=1):
-        assignment = [list(gs) for gs in assignments[t - 1]] if assignments is not None else plan(
-            [len(g) for g in lengths], num_workers, policy, None if predicted is None else predicted[t - 1],
-            cost_model, slots=slots, true_lengths=lengths if policy == "oracle" else None, **plan_kwargs)
-        if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
-            assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
+        assignment = _step_assignment(t, lengths, num_workers, policy, mode, slots, cost_model, predicted,
+                                      assignments, plan_kwargs)
         ready = ready_times(worker_end, updates, t, mode, save_every)
         defers = defer_tail and t < len(steps) and not (save_every > 0 and t % save_every == 0)
         if defers:
@@ -296,3 +312,15 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
         begin = max(end, updates[-1][1] if updates else 0.0)  # one trainer: updates in turn
         updates.append((begin, begin + train_s))
     return SimulatedRun(timeline, rollouts, updates, counts.deferred, counts.rerun, counts.rerun_tokens)
+
+
+def _step_assignment(t: int, lengths, num_workers: int, policy: str, mode: str, slots: int, cost_model: Cost,
+                     predicted, assignments, plan_kwargs: dict) -> list:
+    """Step t's (from 1) per-worker admission order in `simulate_run`: `assignments[t - 1]` or `plan`'s, each
+    worker's reversed on odd steps in one_step_off for histopipe and oracle (see the module doc)."""
+    assignment = [list(gs) for gs in assignments[t - 1]] if assignments is not None else plan(
+        [len(g) for g in lengths], num_workers, policy, None if predicted is None else predicted[t - 1],
+        cost_model, slots=slots, true_lengths=lengths if policy == "oracle" else None, **plan_kwargs)
+    if mode == "one_step_off" and policy in ("histopipe", "oracle") and t % 2 == 1:
+        assignment = [groups[::-1] for groups in assignment]  # odd steps: shortest predicted first
+    return assignment

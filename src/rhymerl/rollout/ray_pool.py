@@ -140,6 +140,11 @@ class RayPool:
         """The ids of the live workers (a dropped worker's id is not reused)."""
         return list(self.actors)
 
+    @property
+    def weights_ref(self) -> ray.ObjectRef:
+        """The weights of `weights_version` in the object store (what a fresh actor starts from)."""
+        return self._weights
+
     def _put(self, params: dict[str, torch.Tensor]) -> ray.ObjectRef:
         """The weights in the object store, once, as the actors read them (`ray_actor.to_store`)."""
         return ray.put(to_store(params, self._dtype))

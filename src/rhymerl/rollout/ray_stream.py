@@ -21,11 +21,20 @@ when it is ready) and runs it first (`rollout/deferral.py`); those requests' out
 their ids missing from the step they were deferred from (`RolloutResult.deferred`). A request deferred by a
 worker that was dropped goes to the first worker's next share.
 
+Migration (`rollout.migration`, rule `half_busiest`; docs/design.md, section 4; simulated by
+`histopipe/stream_fleet.py`): `collect` watches the replies of every step in flight. A worker whose shares are
+all answered has run out of work it may start (its next share waits for weights not yet published): it takes
+half of the unfinished requests of the busiest worker of the oldest step still running (the most requests in
+that step's pending share it runs now), handed over at that worker's next step boundary (`RolloutWorker.hand_over`)
+and sent to it as a share of the step they belong to, on that step's weights (the worker loads them if it holds
+another), the moved requests adopted first and never re-run (`RolloutWorker.rollout`'s `carry`: their tokens
+are all of their own step's version). Keyed draws: the same tokens as without migration; each token's version is
+recorded as before. Not with `rollout.defer_tail` (`config/sections.py`).
+
 Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
 starts on the pool's weights and loads each share's own version) and every share it still owed, of every step in
-flight, runs again (keyed randomness: the same tokens). Migration and
-`rollout.worker_timeout_s` apply to `RayPool.rollout` only: here a worker that runs out of work fills its time
-with the next step instead.
+flight, runs again (keyed randomness: the same tokens). `rollout.worker_timeout_s` applies to `RayPool.rollout`
+only.
 """
 
 from __future__ import annotations
@@ -34,10 +43,10 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import RequestOutput
+from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.ray_actor import to_store
 from rhymerl.rollout.ray_pool import RayPool
@@ -61,6 +70,7 @@ class StreamedStep:
     defer: bool = False  # rollout.defer_tail: its shares may defer their tails into the next step's
     carry: dict[int, list[tuple["StreamedStep", int]]] = field(default_factory=dict)  # share -> earlier shares
     # whose deferred requests it runs first
+    moved: dict[int, list[Continuation]] = field(default_factory=dict)  # a migration's share -> its requests
 
     def deferred(self, k: int) -> ray.ObjectRef | list:
         """What share `k` deferred: its reply's object while pending, the list once done."""
@@ -80,6 +90,7 @@ class RayStream:
         # rollout.defer_tail: worker -> its last training share (step, share), whose deferred requests its next
         # training share runs first
         self._last_train: dict[int, tuple[StreamedStep, int]] = {}
+        self._initial = (pool.weights_version, pool.weights_ref)  # a migrated share of a step on them needs them
 
     def publish(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Weights `version`, for the shares submitted from now on: put in the object store once (as
@@ -101,7 +112,10 @@ class RayStream:
                 s.shares.append((picked, pool.history.export(g.prompt_ids for g in picked)))
                 k = len(s.shares) - 1
                 if train:  # a dropped worker's deferred requests go to the first worker's share
-                    s.carry[k] = ([self._last_train[w]] if w in self._last_train else []) + (orphans if k == 0 else [])
+                    # only shares that may defer: an argument still pending holds back every later call to the
+                    # actor (a migration's hand_over waited for the end of the share it was to take from)
+                    srcs = ([self._last_train[w]] if w in self._last_train else []) + (orphans if k == 0 else [])
+                    s.carry[k] = [src for src in srcs if src[0].defer]
                     self._last_train[w] = (s, k)
                 self._send(s, k, w)
         if train:
@@ -114,22 +128,29 @@ class RayStream:
         seq = self._queued.get(worker, 0)
         self._queued[worker] = seq + 1
         carry = [src.deferred(j) for src, j in s.carry.get(k, [])]  # top-level arguments: Ray resolves them
+        carry += [s.moved[k]] if k in s.moved else []
+        weights = s.weights if s.weights is not None or k not in s.moved else self._initial[1]
         ref, deferred = self.pool.actors[worker].stream_rollout.remote(
-            seq, s.weights, s.version, share, s.params, history, s.step, s.defer, self.max_staleness, *carry)
+            seq, weights, s.version, share, s.params, history, s.step, s.defer, self.max_staleness, *carry)
         s.pending[k] = (worker, ref, deferred)
 
     def collect(self, s: StreamedStep) -> RolloutResult:
         """Wait until every group of `s` is in; the step's result. Its wall interval runs from the first of its
         shares to start on a worker to the last to finish (a streamed step has no call of its own)."""
-        while s.pending:
-            by_ref = {ref: k for k, (_, ref, _) in s.pending.items()}
+        while s.pending:  # with migration, any step's reply may free a worker: each is taken as it comes
+            by_ref = {ref: (t, k) for t in (self._in_flight if self.pool.migration else [s])
+                      for k, (_, ref, _) in t.pending.items()}
             ready, _ = ray.wait(list(by_ref), num_returns=1)
-            k = by_ref[ready[0]]
+            t, k = by_ref[ready[0]]
+            worker = t.pending[k][0]
             try:
-                s.done[k] = ray.get(ready[0])
-                del s.pending[k]
+                t.done[k] = ray.get(ready[0])
+                del t.pending[k]
             except RayActorError as e:
-                self._failed(s.pending[k][0], f"died ({type(e).__name__})")
+                self._failed(worker, f"died ({type(e).__name__})")
+            else:
+                if self.pool.migration:
+                    self._migrate(worker)
         self._in_flight.remove(s)
         s.carry.clear()  # its shares are done: nothing is sent again, so the earlier steps need not stay alive
         by_id = {o.request_id: o for k in sorted(s.done) for o in s.done[k][0]}
@@ -157,6 +178,39 @@ class RayStream:
         for s in self._in_flight:
             for k in [k for k, (w, *_) in s.pending.items() if w == worker]:
                 self._send(s, k, worker if restarted else self._least_busy())
+
+    def _migrate(self, idle: int) -> None:
+        """`idle` has no share pending: half of the unfinished requests of the busiest worker (most requests in
+        its pending share) of the oldest step still running, sent to `idle` as a share of the step each belongs
+        to (see the module doc)."""
+        if idle not in self.pool.actors or any(w == idle for t in self._in_flight for w, *_ in t.pending.values()):
+            return
+        running = next((t for t in self._in_flight if t.pending), None)
+        if running is None:
+            return
+        first: dict[int, StreamedStep] = {}  # worker -> the step of the oldest share it owes (the one it runs)
+        for t in self._in_flight:
+            for w, *_ in t.pending.values():
+                first.setdefault(w, t)
+        load = {w: len(running.moved.get(k, [])) + sum(len(g.request_ids) for g in running.shares[k][0])
+                for k, (w, *_) in running.pending.items() if first[w] is running}
+        if not load:
+            return
+        donor = max(sorted(load), key=load.__getitem__)
+        if load[donor] < 2:
+            return
+        try:
+            moved = ray.get(self.pool.actors[donor].hand_over.remote(), timeout=self.pool.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            return  # the donor's fault is for its share's reply to report
+        owner = {rid: t for t in self._in_flight for g in t.groups for rid in g.request_ids}
+        for t in self._in_flight:  # the donor may have moved on to its next share: each request to its own step
+            mine = [c for c in moved if owner.get(c.request_id) is t]
+            if mine:
+                t.shares.append(([], self.pool.history.export(c.prompt_ids for c in mine)))
+                t.moved[len(t.shares) - 1] = mine
+                self._send(t, len(t.shares) - 1, idle)
+                self.pool.migrations += len(mine)
 
     def _least_busy(self) -> int:
         owed = {w: 0 for w in self.pool.workers}

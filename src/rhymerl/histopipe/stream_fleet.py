@@ -1,0 +1,253 @@
+"""one_step_off with `rollout.stream` and `rollout.migration` on one clock (docs/design.md, section 4, "Rollout
+as a stream": migration inside the stream). What `rollout/ray_stream.py` does, as a timing model (torch-free).
+
+Each worker runs its shares one after another (step 1's, then step 2's, ...; a share is a continuous batch as in
+`batching.run_worker`), a share of step t starting once the worker is done with its previous share and step t's
+weights exist: at the end of the update of step t - 2 (`simulate.ready_times`, one_step_off's lag; steps 1 and 2
+run on the initial weights). Updates run in turn, each `train_s` seconds after its step's last request.
+
+Migration (`migration`): a worker that has run out of work it may start (its next share waits for weights, or it
+has none left) asks, once, for work of the oldest step still running: the donor is that step's worker with the
+most unfinished requests (`half_busiest`, as the sync pool's `fleet.simulate_fleet`), which hands over half of
+them at its next step boundary (waiting ones first, the last queued first, then the running ones furthest past
+their group's predicted longest member). The idle worker runs them as a share of their own step (on that step's
+weights: a moved request re-prefills its generated tokens, `batching.reprefill_cost`, and its tokens are the
+ones it would have drawn), before its own next share; when that share is done it asks again. Loading an older
+version's weights for it is not priced (the cost model has no weight-load term). Without migration the run is
+`simulate.simulate_run(mode="one_step_off")`'s exactly (tested).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost
+from rhymerl.histopipe.pieces import Piece
+from rhymerl.histopipe.timeline import Timeline
+
+STREAM_MIGRATIONS = ("half_busiest",)  # the rules migration inside the stream runs (simulated and on Ray)
+
+
+class _Share:
+    def __init__(self, step: int, rids: list[int], moved: bool = False):
+        self.step, self.rids, self.moved = step, rids, moved
+
+
+class _Worker:
+    def __init__(self):
+        self.shares: deque[_Share] = deque()  # to run, in order (a moved share first)
+        self.step_of: int | None = None  # the step of the share it runs; None: idle
+        self.queue: deque[int] = deque()
+        self.running: list[tuple[float, int]] = []  # heap of (finish engine step, request)
+        self.admitted: dict[int, float] = {}  # request -> its admission engine step, less its carried tokens
+        self.carried: dict[int, float] = {}
+        self.prefill: dict[int, float] = {}
+        self.step = self.clock = self.key_base = 0.0
+        self.version = 0
+        self.busy: list[tuple[float, float]] = []
+        self.occupancy: list[tuple[float, int]] = []
+
+
+def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Sequence[Sequence[Sequence[Piece]]], *,
+                    slots: int, cost_model: Cost, predicted: Sequence[Sequence[Sequence[float]]] | None = None,
+                    migration: str | None = None, train_s: float = 0.0, log: list | None = None):
+    """Run `steps[t]` (step t+1's groups, each its requests' true lengths) in one_step_off with the stream, worker
+    w running `assignments[t][w]` (its pieces, admission order) as its share of step t+1; `migration` None or one
+    of STREAM_MIGRATIONS (see the module doc); `predicted[t][g]`: group g's predicted request lengths (half_busiest
+    reads the longest; None: the true lengths are not shown, every request is predicted 0). Returns the run's
+    timeline (step t's groups after step t-1's), each step's rollout (start, end) and update (start, end), and
+    the requests moved (`simulate.simulate_run(migration=...)` wraps them as a `SimulatedRun`). `log`, when
+    given, gets each share as it starts: (worker, step index, its requests as (step index, group, index), moved)."""
+    if migration is not None and migration not in STREAM_MIGRATIONS:
+        raise ValueError(f"unknown stream migration {migration!r}; choose from {', '.join(STREAM_MIGRATIONS)}")
+    if len(assignments) != len(steps):
+        raise ValueError(f"{len(steps)} steps but {len(assignments)} assignments")
+    num_workers = len(assignments[0]) if assignments else 0
+    step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
+    reqs: list[tuple[int, int]] = []  # request -> (timeline group, index); timeline groups: step by step
+    step_of_req, first_group, length, longest = [], [], [], []
+    for t, lengths in enumerate(steps):
+        first_group.append(sum(len(s) for s in steps[:t]))
+        for g, ls in enumerate(lengths):
+            for i, n in enumerate(ls):
+                reqs.append((first_group[t] + g, i))
+                step_of_req.append(t)
+                length.append(max(float(n), 1.0))
+                longest.append(max(predicted[t][g]) if predicted is not None else 0.0)
+    rid = {r: k for k, r in enumerate(reqs)}
+    workers = [_Worker() for _ in range(num_workers)]
+    worker_of = [-1] * sum(len(lengths) for lengths in steps)  # per timeline group: its first piece's worker
+    left = [sum(len(ls) for ls in lengths) for lengths in steps]  # unfinished requests per step
+    for t, per_worker in enumerate(assignments):
+        if len(per_worker) != num_workers:
+            raise ValueError(f"step {t + 1}: {len(per_worker)} workers' shares, {num_workers} expected")
+        held = sorted((g, i) for pieces in per_worker for g, idx in pieces for i in idx)
+        if held != [(g, i) for g, ls in enumerate(steps[t]) for i in range(len(ls))]:
+            raise ValueError(f"step {t + 1}: the assignment must hold each request exactly once")
+        for w, pieces in enumerate(per_worker):
+            rids = [rid[(first_group[t] + g, i)] for g, idx in pieces for i in idx]
+            if rids:
+                workers[w].shares.append(_Share(t, rids))
+            for g, _ in pieces:
+                if worker_of[first_group[t] + g] < 0:
+                    worker_of[first_group[t] + g] = w
+    finish = [[0.0] * len(ls) for lengths in steps for ls in lengths]
+    weights_at: dict[int, float] = {0: 0.0, 1: 0.0}  # step index -> when its weights exist
+    ends: dict[int, float] = {}
+    updates: list[tuple[float, float]] = []
+    starts: dict[int, float] = {}
+    events: list[tuple[float, int, int]] = []  # (time, worker, its version then)
+    moved = 0
+
+    def busy_until(wk: _Worker, start: float, end: float) -> None:
+        if wk.busy and wk.busy[-1][1] >= start:
+            wk.busy[-1] = (wk.busy[-1][0], end)
+        else:
+            wk.busy.append((start, end))
+
+    def schedule(w: int) -> None:
+        wk = workers[w]
+        while wk.queue and len(wk.running) < slots:
+            r = wk.queue.popleft()
+            pay = wk.prefill.pop(r, 0.0)
+            if pay:
+                busy_until(wk, wk.clock, wk.clock + pay)
+                wk.clock += pay
+            wk.admitted[r] = wk.step - wk.carried.pop(r, 0.0)
+            wk.key_base += wk.admitted[r]
+            heapq.heappush(wk.running, (wk.admitted[r] + length[r], r))
+        if wk.step_of is not None and (not wk.occupancy or wk.occupancy[-1][1] != len(wk.running)):
+            wk.occupancy.append((wk.clock, len(wk.running)))
+        if wk.running:
+            heapq.heappush(events, (wk.clock + run_cost(len(wk.running), wk.step, wk.running[0][0], wk.key_base,
+                                                        step_cost, per_key), w, wk.version))
+
+    def advance(w: int, to_step: float) -> None:
+        wk = workers[w]
+        start = wk.clock
+        wk.clock += run_cost(len(wk.running), wk.step, to_step, wk.key_base, step_cost, per_key)
+        wk.step = to_step
+        busy_until(wk, start, wk.clock)
+        while wk.running and wk.running[0][0] <= to_step:
+            r = heapq.heappop(wk.running)[1]
+            g, i = reqs[r]
+            finish[g][i] = wk.clock
+            wk.key_base -= wk.admitted.pop(r)
+            t = step_of_req[r]
+            left[t] -= 1
+            if not left[t]:
+                ends[t] = wk.clock
+                step_done()
+
+    def step_done() -> None:  # the updates of the steps now complete, in turn; the weights they make
+        while len(updates) in ends:
+            t = len(updates)
+            begin = max(ends[t], updates[-1][1] if updates else 0.0)
+            updates.append((begin, begin + train_s))
+            weights_at[t + 2] = begin + train_s
+            for w, wk in enumerate(workers):
+                if wk.step_of is None and wk.shares and wk.shares[0].step == t + 2:
+                    heapq.heappush(events, (max(wk.clock, weights_at[t + 2]), w, wk.version))
+
+    def start_share(w: int, now: float) -> None:
+        wk = workers[w]
+        share = wk.shares.popleft()
+        wk.step_of, wk.clock = share.step, max(wk.clock, now)
+        starts[share.step] = min(starts.get(share.step, wk.clock), wk.clock)
+        wk.queue = deque(share.rids)
+        if log is not None:
+            log.append((w, share.step, [(share.step, reqs[r][0] - first_group[share.step], reqs[r][1])
+                                        for r in share.rids], share.moved))
+        wk.version += 1
+        schedule(w)
+
+    def boundary(w: int, now: float) -> None:  # bring w to its first engine-step boundary at or after `now`
+        wk = workers[w]
+        if not wk.running or wk.clock >= now:
+            return
+        n, lo, hi = len(wk.running), 0, int(wk.running[0][0] - wk.step)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if wk.clock + run_cost(n, wk.step, wk.step + mid, wk.key_base, step_cost, per_key) >= now:
+                hi = mid
+            else:
+                lo = mid + 1
+        advance(w, wk.step + lo)
+        wk.version += 1
+        schedule(w)
+
+    def migrate(w: int, now: float) -> bool:  # w is idle: half of the busiest worker's of the oldest running step
+        nonlocal moved
+        running = sorted({wk.step_of for wk in workers if wk.step_of is not None})
+        if not running:
+            return False
+        t = running[0]
+        load = {v: len(wk.running) + len(wk.queue) for v, wk in enumerate(workers) if wk.step_of == t}
+        src = max(sorted(load), key=load.__getitem__)
+        if load[src] < 2:
+            return False
+        boundary(src, now)
+        s = workers[src]
+        if s.step_of != t:  # its share ended at that boundary
+            return False
+        n = (len(s.running) + len(s.queue)) // 2
+        by_past = sorted((r for _, r in s.running), key=lambda r: longest[r] - (s.step - s.admitted[r]))
+        picked = (list(s.queue)[::-1] + by_past)[:n]
+        if not picked:
+            return False
+        d = workers[w]
+        for r in picked:
+            if r in s.admitted:
+                s.running.remove(next(x for x in s.running if x[1] == r))
+                done = s.step - s.admitted.pop(r)
+                s.key_base -= s.step - done
+                d.carried[r] = done
+                d.prefill[r] = reprefill_cost(cost_model, step_cost, slots, done)
+            else:
+                s.queue.remove(r)
+        heapq.heapify(s.running)
+        s.version += 1
+        schedule(src)
+        moved += len(picked)
+        d.shares.appendleft(_Share(t, picked, moved=True))
+        start_share(w, max(now, s.clock))
+        return True
+
+    def idle(w: int, now: float) -> None:  # w's share is done (or it has not started): next, or migrate, or wait
+        wk = workers[w]
+        wk.step_of = None
+        nxt = wk.shares[0].step if wk.shares else None
+        if nxt is not None and weights_at.get(nxt, float("inf")) <= now:
+            start_share(w, max(now, weights_at[nxt]))
+        elif migration is not None and migrate(w, now):
+            return
+        elif nxt is not None and nxt in weights_at:  # its weights come later: wake then
+            heapq.heappush(events, (weights_at[nxt], w, wk.version))
+
+    for w in range(num_workers):
+        idle(w, 0.0)
+    while events:
+        now, w, version = heapq.heappop(events)
+        wk = workers[w]
+        if version != wk.version:
+            continue
+        if wk.step_of is None:  # woken: its next share's weights exist now
+            if wk.shares and weights_at.get(wk.shares[0].step, float("inf")) <= now:
+                start_share(w, now)
+            continue
+        if wk.running:
+            advance(w, wk.running[0][0])
+            schedule(w)
+        if not wk.running and not wk.queue:
+            if wk.occupancy and wk.occupancy[-1][1]:
+                wk.occupancy.append((wk.clock, 0))
+            wk.version += 1
+            idle(w, wk.clock)
+    if any(left):
+        raise RuntimeError(f"stream simulation ended with {sum(left)} requests unfinished")
+    timeline = Timeline(busy=[wk.busy for wk in workers], finish=finish, worker=worker_of,
+                        occupancy=[wk.occupancy for wk in workers])
+    rollouts = [(starts.get(t, 0.0), ends[t]) for t in range(len(steps))]
+    return timeline, rollouts, updates, moved
