@@ -10,7 +10,7 @@ import pytest
 
 from rhymerl.bench import history_bench
 from rhymerl.bench.history_bench import sides, workload
-from rhymerl.bench.pipe_real import MAX_DRAFT_TOKENS, real_workload
+from rhymerl.bench.pipe_real import real_workload
 from rhymerl.cli import main
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
@@ -89,8 +89,10 @@ def test_the_default_job_is_part_1s_rhyming_workload():
         (real.task, real.prompts, real.prompts, real.num_generations)
     assert (job["max_completion_length"], job["temperature"], job["num_slots"]) == \
         (real.max_tokens, real.temperature, real.slots)
-    assert job["max_draft_tokens"] == MAX_DRAFT_TOKENS and job["epochs"] > 2  # steps left after the 2 skipped
+    assert job["max_draft_tokens"] is None and job["epochs"] > 2  # the machine's draft cap; steps after the 2 skipped
     assert workload(4)["num_slots"] == real_workload("rhyming", None, ray_workers=4).slots  # waves kept
+    smaller = workload(2, prompts_per_step=4)  # a smaller step keeps its waves: 16 requests a worker on 4 slots
+    assert (smaller["prompts_per_step"], smaller["num_prompts"], smaller["num_slots"]) == (4, 12, 4)
     given = workload(2, num_slots=2, temperature=1.0, epochs=None)
     assert (given["num_slots"], given["temperature"], given["epochs"]) == (2, 1.0, job["epochs"])
     with pytest.raises(TypeError, match="bogus"):

@@ -16,8 +16,8 @@ seconds per step over the first's.
 
 The job (`workload`) is, unless options say otherwise, part 1's rhyming real workload as `bench pipe --trace
 rhyming` rolls it out on real workers (`pipe_real.real_workload`, one definition): the `repeat` task's 12 prompts
-x 8 at T=0.6, at most 192 tokens, 12 slots a worker, HistoSpec's drafts capped as there; one GRPO step is that
-bench's one call, for 4 epochs. Each step's figures include the load-independent counts of where rollout time
+x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench's one call, for 4 epochs
+(HistoSpec's draft cap as a training run sets it on the machine). Each step's figures include the load-independent counts of where rollout time
 goes (forwards, tokens per sequence forward, prompt tokens computed, acceptance, migrations) beside the seconds
 of rollout, update and weight sync.
 
@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
-from rhymerl.bench.pipe_real import MAX_DRAFT_TOKENS, RHYMING, real_workload
+from rhymerl.bench.pipe_real import RECORDED, RHYMING, real_workload
 from rhymerl.bench.progress import Progress
 from rhymerl.config import load_config
 from rhymerl.errors import UserError
@@ -109,13 +109,17 @@ def _median_after(steps: list[dict], key: str, skip: int) -> float:
 def workload(num_workers: int = 2, **given) -> dict:
     """The job both runs train: part 1's rhyming real workload (`pipe_real.real_workload` under `--trace
     rhyming`: the `repeat` task's 12 prompts x 8 at T=0.6, 192 tokens, 12 slots a worker on 2 workers), one
-    GRPO step being that bench's one call, for `EPOCHS` epochs, HistoSpec's drafts capped as there
-    (`pipe_real.MAX_DRAFT_TOKENS`). `given`: options set by the caller (None: not given), which win."""
-    real = real_workload(RHYMING, ray_workers=num_workers, slots=given.get("num_slots"))
-    base = {"data": real.task, "num_prompts": real.prompts, "prompts_per_step": real.prompts,
+    GRPO step being that bench's one call, for `EPOCHS` epochs. HistoSpec's draft cap is a setting of the
+    system, not of the workload: None leaves it to the run's machine default (`rollout.max_draft_tokens=0`:
+    4 in fp32, 32 in bf16), as `rhymerl train` would run. `given`: options set by the caller (None: not
+    given), which win."""
+    # a step is one call: its size given, the slots still fill MIN_WAVES times a worker unless given too
+    real = real_workload(RHYMING, ray_workers=num_workers, slots=given.get("num_slots"),
+                         prompts=given.get("prompts_per_step"), num_generations=given.get("num_generations"))
+    base = {"data": real.task, "num_prompts": RECORDED.prompts, "prompts_per_step": real.prompts,
             "num_generations": real.num_generations, "max_completion_length": real.max_tokens,
             "num_slots": real.slots, "temperature": real.temperature, "epochs": EPOCHS,
-            "max_draft_tokens": MAX_DRAFT_TOKENS}
+            "max_draft_tokens": None}
     unknown = set(given) - set(base)
     if unknown:
         raise TypeError(f"workload: unknown options {sorted(unknown)}")
@@ -144,7 +148,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, 
     common = [f"data.task={data}", f"data.num_train_prompts={num_prompts}", "val.every=0",
               f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
               f"rollout.max_completion_length={max_completion_length}", f"rollout.num_slots={num_slots}",
-              f"rollout.max_draft_tokens={job['max_draft_tokens']}",
+              f"rollout.max_draft_tokens={job['max_draft_tokens'] or 0}",
               f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"rollout.mode={mode}",
               "rollout.backend=ray", f"rollout.num_workers={num_workers}", f"run.seed={seed}", "run.save_every=0",

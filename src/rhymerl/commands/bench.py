@@ -304,7 +304,8 @@ def add_parser(sub) -> None:
     b2.add_argument("--slots", type=positive_int, default=None,
                     help="--compare history|stream: rollout.num_slots per worker (default: part 1's, 12 on 2 workers)")
     b2.add_argument("--max-draft-tokens", type=positive_int, default=None,
-                    help="--compare history|stream: rollout.max_draft_tokens (default: bench pipe's real runs', 32)")
+                    help="--compare history|stream: rollout.max_draft_tokens (default: the run's machine default, 4 in "
+                         "fp32, 32 in bf16)")
     b2.add_argument("--skip-steps", type=int, default=2,
                     help="--compare history|stream: first steps left out of the medians (no history yet, start-up)")
     b2.set_defaults(func=cmd_bench_e2e)
