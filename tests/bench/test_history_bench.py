@@ -8,7 +8,9 @@ import tempfile
 
 import pytest
 
-from rhymerl.bench.history_bench import sides
+from rhymerl.bench import history_bench
+from rhymerl.bench.history_bench import sides, workload
+from rhymerl.bench.pipe_real import real_workload
 from rhymerl.cli import main
 from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
@@ -76,3 +78,33 @@ def test_the_history_sides_by_mode():
     assert sides("history", "one_step_off")["on"][-2:] == ["rollout.stream=true", "rollout.migration=false"]
     assert "rollout.stream=false" in sides("history", "one_step_off")["off"]
     assert sides("stream", "one_step_off", "off")["stream"][0] == "rollout.speculative=off"
+
+
+def test_the_default_job_is_part_1s_rhyming_workload():
+    """`--compare history|stream` without workload options trains what `bench pipe --trace rhyming` rolls out on
+    its real workers (one definition, `pipe_real.real_workload`): a step is that bench's call; options win."""
+    real = real_workload("rhyming", None, ray_workers=2)
+    job = workload(2)
+    assert (job["data"], job["num_prompts"], job["prompts_per_step"], job["num_generations"]) == \
+        (real.task, real.prompts, real.prompts, real.num_generations)
+    assert (job["max_completion_length"], job["temperature"], job["num_slots"]) == \
+        (real.max_tokens, real.temperature, real.slots)
+    assert job["max_draft_tokens"] is None and job["epochs"] > 2  # the machine's draft cap; steps after the 2 skipped
+    assert workload(4)["num_slots"] == real_workload("rhyming", None, ray_workers=4).slots  # waves kept
+    smaller = workload(2, prompts_per_step=4)  # a smaller step keeps its waves: 16 requests a worker on 4 slots
+    assert (smaller["prompts_per_step"], smaller["num_prompts"], smaller["num_slots"]) == (4, 12, 4)
+    given = workload(2, num_slots=2, temperature=1.0, epochs=None)
+    assert (given["num_slots"], given["temperature"], given["epochs"]) == (2, 1.0, job["epochs"])
+    with pytest.raises(TypeError, match="bogus"):
+        workload(2, bogus=1)
+
+
+def test_the_cli_passes_only_the_options_given(monkeypatch):
+    """The e2e command's workload options default to None, so that each comparison keeps its own job (the TRL
+    comparison's small arithmetic one, the history comparison's part 1 workload)."""
+    seen = {}
+    monkeypatch.setattr(history_bench, "run", lambda *a, **kw: seen.update(kw) or {"x": 1})
+    monkeypatch.setattr(history_bench, "print_table", lambda summary: None)
+    assert main(["bench", "e2e", "--compare", "history", "--epochs", "5"]) == 0
+    assert seen["epochs"] == 5 and "temperature" not in seen and seen["num_slots"] is None
+    assert seen["data"] is None and seen["max_draft_tokens"] is None

@@ -14,6 +14,13 @@ With `--compare stream` both runs are one_step_off with the history settings of 
 less the stream and migration), one with the stream and one without; `stream_speedup` is the second's median
 seconds per step over the first's.
 
+The job (`workload`) is, unless options say otherwise, part 1's rhyming real workload as `bench pipe --trace
+rhyming` rolls it out on real workers (`pipe_real.real_workload`, one definition): the `repeat` task's 12 prompts
+x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench's one call, for 4 epochs
+(HistoSpec's draft cap as a training run sets it on the machine). Each step's figures include the load-independent counts of where rollout time
+goes (forwards, tokens per sequence forward, prompt tokens computed, acceptance, migrations) beside the seconds
+of rollout, update and weight sync.
+
 History changes how fast a rollout runs, never what it samples (docs/design.md, section 6), so in fp32 and sync
 mode the two reward curves are identical and `reward_curve_max_abs_diff` is 0. `history_speedup` is the off
 run's median seconds per step over the on run's, after the first `--skip-steps` steps (the first epoch has no
@@ -32,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import table_console
+from rhymerl.bench.pipe_real import RECORDED, RHYMING, real_workload
 from rhymerl.bench.progress import Progress
 from rhymerl.config import load_config
 from rhymerl.errors import UserError
@@ -42,6 +50,7 @@ from rhymerl.rl.loop import TrainingRun
 HISTORY = {"on": ["rollout.speculative=histospec", "rollout.schedule=histopipe"],
            "off": ["rollout.speculative=off", "rollout.schedule=static"]}
 COMPARES = ("history", "stream")
+EPOCHS = 4  # part 1's prompts are one step: 4 steps, the last 2 (with history of 2 and 3 epochs) timed
 
 
 def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:
@@ -52,19 +61,31 @@ def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:
     tail = ["rollout.stream=true", "rollout.migration=false"] if mode == "one_step_off" else ["rollout.migration=true"]
     return {"on": HISTORY["on"] + tail, "off": HISTORY["off"] + ["rollout.migration=false", "rollout.stream=false"]}
 
-# Per step, from the run's metrics.jsonl: what the table and the JSON line show.
+# Per step, from the run's metrics.jsonl: what the table and the JSON line show. Seconds first, then the counts
+# that do not depend on the machine's load: where a side's rollout time goes (forwards, committed tokens per
+# sequence forward, prompt tokens computed, HistoSpec's acceptance, migrations and their re-prefilled tokens).
 STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_s": "timing_s/update",
-                "reward": "critic/rewards/mean", "response_length": "response_length/mean",
-                "bubble_ratio": "rollout/bubble_ratio"}
+                "sync_s": "timing_s/sync", "reward_s": "timing_s/reward", "reward": "critic/rewards/mean",
+                "response_length": "response_length/mean", "bubble_ratio": "rollout/bubble_ratio",
+                "forwards": "rollout/forward_passes", "tokens_per_forward": "rollout/tokens_per_forward",
+                "prefill_tokens": "rollout/prefill_tokens", "accept_rate": "rollout/spec_accept_rate",
+                "draft_time_share": "rollout/draft_time_share", "migrations": "rollout/migrations",
+                "migration_prefill_s": "rollout/migration_prefill_s", "trained_seqs": "actor/trained_seqs"}
 
 
 def _steps(run_dir: Path) -> list[dict]:
-    """Each step's figures (STEP_FIGURES) from a finished run; a checkpoint's write is not counted in its step."""
+    """Each step's figures (STEP_FIGURES) from a finished run; a checkpoint's write is not counted in its step.
+    `worker_busy_s`: the busiest worker's time with a request running; `driver_s`: the rest of the rollout's
+    wall time (the Ray calls, the split, history slices, gathering: what the driver adds to the workers)."""
     rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
     out = []
     for r in rows:
         step = {name: r.get(key) for name, key in STEP_FIGURES.items()}
         step["step_s"] = r["timing_s/step"] - r.get("timing_s/save", 0.0)
+        busy = [v for k, v in r.items() if k.startswith("rollout/worker") and k.endswith("/busy_s")]
+        step["worker_busy_s"] = max(busy, default=0.0)
+        step["driver_s"] = step["rollout_s"] - step["worker_busy_s"]
+        step["tokens"] = sum(v for k, v in r.items() if k.startswith("rollout/worker") and k.endswith("/tokens"))
         out.append(step)
     return out
 
@@ -75,16 +96,46 @@ def run_side(overrides: list[str], out_dir: Path) -> list[dict]:
     return _steps(run.run())
 
 
+# The JSON line's `{side}_{name}`: the median of each per-step figure after the skipped steps
+MEDIANS = {"s_per_step": "step_s", "rollout_s": "rollout_s", "update_s": "update_s", "sync_s": "sync_s",
+           "driver_s": "driver_s", "forwards": "forwards", "tokens_per_forward": "tokens_per_forward",
+           "prefill_tokens": "prefill_tokens", "migrations": "migrations", "accept_rate": "accept_rate"}
+
+
 def _median_after(steps: list[dict], key: str, skip: int) -> float:
     return round(statistics.median(s[key] for s in steps[skip:]), 3)
 
 
-def run(model: str = "smollm2-135m", dtype: str = "fp32", data: str = "arithmetic", num_prompts: int = 8,
-        prompts_per_step: int = 4, num_generations: int = 8, max_completion_length: int = 256, num_slots: int = 8,
-        num_workers: int = 2, epochs: int = 3, mode: str = "sync", temperature: float = 1.0, learning_rate: float = 1e-5,
-        skip_steps: int = 2, seed: int = 0, overrides: list[str] = (), compare: str = "history",
-        history: str = "on") -> dict:
-    """Both runs (`sides`), the expected faster first; the summary whose JSON is the bench's last line."""
+def workload(num_workers: int = 2, **given) -> dict:
+    """The job both runs train: part 1's rhyming real workload (`pipe_real.real_workload` under `--trace
+    rhyming`: the `repeat` task's 12 prompts x 8 at T=0.6, 192 tokens, 12 slots a worker on 2 workers), one
+    GRPO step being that bench's one call, for `EPOCHS` epochs. HistoSpec's draft cap is a setting of the
+    system, not of the workload: None leaves it to the run's machine default (`rollout.max_draft_tokens=0`:
+    4 in fp32, 32 in bf16), as `rhymerl train` would run. `given`: options set by the caller (None: not
+    given), which win."""
+    # a step is one call: its size given, the slots still fill MIN_WAVES times a worker unless given too
+    real = real_workload(RHYMING, ray_workers=num_workers, slots=given.get("num_slots"),
+                         prompts=given.get("prompts_per_step"), num_generations=given.get("num_generations"))
+    base = {"data": real.task, "num_prompts": RECORDED.prompts, "prompts_per_step": real.prompts,
+            "num_generations": real.num_generations, "max_completion_length": real.max_tokens,
+            "num_slots": real.slots, "temperature": real.temperature, "epochs": EPOCHS,
+            "max_draft_tokens": None}
+    unknown = set(given) - set(base)
+    if unknown:
+        raise TypeError(f"workload: unknown options {sorted(unknown)}")
+    return base | {k: v for k, v in given.items() if v is not None}
+
+
+def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, mode: str = "sync",
+        learning_rate: float = 1e-5, skip_steps: int = 2, seed: int = 0, overrides: list[str] = (),
+        compare: str = "history", history: str = "on", **given) -> dict:
+    """Both runs (`sides`) of the job `workload(num_workers, **given)`, the expected faster first; the summary
+    whose JSON is the bench's last line."""
+    job = workload(num_workers, **given)
+    data, num_prompts, prompts_per_step = job["data"], job["num_prompts"], job["prompts_per_step"]
+    num_generations, max_completion_length, num_slots = (job["num_generations"], job["max_completion_length"],
+                                                         job["num_slots"])
+    epochs, temperature = job["epochs"], job["temperature"]
     if compare == "stream" and mode != "one_step_off":
         raise UserError(f"bench e2e --compare stream: the stream is a one_step_off mode, got --mode {mode}")
     if num_prompts % prompts_per_step:
@@ -97,6 +148,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", data: str = "arithmeti
     common = [f"data.task={data}", f"data.num_train_prompts={num_prompts}", "val.every=0",
               f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
               f"rollout.max_completion_length={max_completion_length}", f"rollout.num_slots={num_slots}",
+              f"rollout.max_draft_tokens={job['max_draft_tokens'] or 0}",
               f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"rollout.mode={mode}",
               "rollout.backend=ray", f"rollout.num_workers={num_workers}", f"run.seed={seed}", "run.save_every=0",
@@ -116,12 +168,13 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", data: str = "arithmeti
     on, off = results.values()  # the expected faster run first
     diff = max(abs(a["reward"] - b["reward"]) for a, b in zip(on, off))
     on_s, off_s = _median_after(on, "step_s", skip_steps), _median_after(off, "step_s", skip_steps)
-    figures = {f"{side}_s_per_step": _median_after(results[side], "step_s", skip_steps) for side in runs}
-    figures |= {f"{side}_rollout_s": _median_after(results[side], "rollout_s", skip_steps) for side in runs}
+    figures = {f"{side}_{name}": _median_after(results[side], key, skip_steps)
+               for side in runs for name, key in MEDIANS.items() if results[side][-1].get(key) is not None}
     return {"compare": compare, "history": history if compare == "stream" else None, "model": model, "dtype": dtype, "data": data, "mode": mode, "num_workers": num_workers,
             "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
             "num_prompts": num_prompts, "prompts_per_step": prompts_per_step, "num_generations": num_generations,
-            "max_completion_length": max_completion_length, "num_slots": num_slots, "steps": steps,
+            "max_completion_length": max_completion_length, "num_slots": num_slots, "temperature": temperature,
+            "max_draft_tokens": job["max_draft_tokens"], "steps": steps,
             "skip_steps": skip_steps, "sides": runs, **figures, f"{compare}_speedup": round(off_s / on_s, 3),
             "reward_curve_max_abs_diff": round(diff, 6), "runs": results}
 
@@ -133,11 +186,15 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     t = Table(title=f"{title}: {summary['model']} {summary['dtype']}, {summary['data']}, "
                     f"{summary['num_workers']} Ray workers, {summary['mode']}, {summary['steps']} steps "
                     f"(medians after the first {summary['skip_steps']})")
-    for c in ("run", "s/step", "rollout s/step", "per step (s)", "final reward"):
+    columns = {"s/step": "s_per_step", "rollout s": "rollout_s", "update s": "update_s", "sync s": "sync_s",
+               "forwards": "forwards", "tokens/forward": "tokens_per_forward", "prefill tokens": "prefill_tokens",
+               "migrations": "migrations"}
+    for c in ("run", *columns, "per step (s)", "final reward"):
         t.add_column(c, justify="right")
     for side in names:
         steps = summary["runs"][side]
-        t.add_row(side if summary["compare"] == "stream" else f"history {side}", str(summary[f"{side}_s_per_step"]), str(summary[f"{side}_rollout_s"]),
+        t.add_row(side if summary["compare"] == "stream" else f"history {side}",
+                  *(str(summary.get(f"{side}_{key}", "-")) for key in columns.values()),
                   " ".join(f"{s['step_s']:.1f}" for s in steps), f"{steps[-1]['reward']:.3f}")
     console.print(t)
     compare = summary["compare"]

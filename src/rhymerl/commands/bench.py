@@ -94,14 +94,19 @@ def cmd_bench_matmul(args) -> int:
 def cmd_bench_e2e(args) -> int:
     """`bench e2e`: seconds per GRPO step, TRL's GRPOTrainer vs rhymerl (speculation off, HistoSpec); with
     `--compare history`, rhymerl with history on vs off on Ray workers."""
+    # the workload's options left out (None) take each comparison's defaults: TRL's small arithmetic job, or
+    # part 1's rhyming workload for --compare history|stream (history_bench.workload)
+    given = {k: getattr(args, k) for k in ("num_prompts", "prompts_per_step", "num_generations",
+                                           "max_completion_length", "epochs", "temperature")}
+    given = {k: v for k, v in given.items() if v is not None}
     if args.compare in history_bench.COMPARES:
         return _report(history_bench, history_bench.run(
-            args.model, args.dtype, args.data, args.num_prompts, args.prompts_per_step, args.num_generations,
-            args.max_completion_length, args.slots, args.workers, args.epochs, args.mode, args.temperature,
-            args.learning_rate, args.skip_steps, args.seed, compare=args.compare, history=args.history))
-    summary = e2e_bench.run(args.model, args.dtype, args.num_prompts, args.prompts_per_step, args.num_generations,
-                            args.max_completion_length, args.micro_batch_size, args.learning_rate, args.epochs,
-                            args.temperature, args.format_weight, args.seed, args.skip_trl)
+            args.model, args.dtype, args.workers, args.mode, args.learning_rate, args.skip_steps, args.seed,
+            compare=args.compare, history=args.history, data=args.data, num_slots=args.slots,
+            max_draft_tokens=args.max_draft_tokens, **given))
+    summary = e2e_bench.run(args.model, args.dtype, micro_batch_size=args.micro_batch_size,
+                            learning_rate=args.learning_rate, format_weight=args.format_weight, seed=args.seed,
+                            skip_trl=args.skip_trl, **given)
     return _report(e2e_bench, summary)
 
 
@@ -265,15 +270,21 @@ def add_parser(sub) -> None:
                          formatter_class=DefaultsHelp)
     b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
     b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
-    b2.add_argument("--num-prompts", type=positive_int, default=8, help="size of the built-in prompt set")
-    b2.add_argument("--prompts-per-step", type=positive_int, default=2, help="prompts per GRPO step")
-    b2.add_argument("--num-generations", type=positive_int, default=4, help="responses per prompt")
-    b2.add_argument("--max-completion-length", type=positive_int, default=128, help="response tokens, at most")
+    b2.add_argument("--num-prompts", type=positive_int, default=None,
+                    help="size of the built-in prompt set (default: 8; --compare history|stream: part 1's 12)")
+    b2.add_argument("--prompts-per-step", type=positive_int, default=None,
+                    help="prompts per GRPO step (default: 2; --compare history|stream: 12, part 1's call)")
+    b2.add_argument("--num-generations", type=positive_int, default=None,
+                    help="responses per prompt (default: 4; --compare history|stream: part 1's 8)")
+    b2.add_argument("--max-completion-length", type=positive_int, default=None,
+                    help="response tokens, at most (default: 128; --compare history|stream: part 1's 192)")
     b2.add_argument("--micro-batch-size", type=positive_int, default=8,
                     help="sequences per forward/backward in the update")
     b2.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW, constant")
-    b2.add_argument("--epochs", type=positive_int, default=3, help="passes over the prompt set")
-    b2.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
+    b2.add_argument("--epochs", type=positive_int, default=None,
+                    help="passes over the prompt set (default: 3; --compare history|stream: 4)")
+    b2.add_argument("--temperature", type=float, default=None,
+                    help="rollout sampling temperature (default: 1.0; --compare history|stream: part 1's 0.6)")
     b2.add_argument("--format-weight", type=float, default=0.2, help="reward = correctness + weight x format")
     b2.add_argument("--seed", type=int, default=0, help="one seed for every run")
     b2.add_argument("--skip-trl", action="store_true", help="only the two rhymerl runs")
@@ -288,8 +299,13 @@ def add_parser(sub) -> None:
                     help="--compare stream: both runs' history settings (on: HistoSpec and the histopipe split; "
                          "off: plain decoding, static split)")
     b2.add_argument("--workers", type=positive_int, default=2, help="--compare history|stream: Ray rollout workers")
-    b2.add_argument("--data", default="arithmetic", help="--compare history|stream: the built-in task (data.task)")
-    b2.add_argument("--slots", type=positive_int, default=8, help="--compare history|stream: rollout.num_slots per worker")
+    b2.add_argument("--data", default=None,
+                    help="--compare history|stream: the built-in task (data.task; default: part 1's repeat)")
+    b2.add_argument("--slots", type=positive_int, default=None,
+                    help="--compare history|stream: rollout.num_slots per worker (default: part 1's, 12 on 2 workers)")
+    b2.add_argument("--max-draft-tokens", type=positive_int, default=None,
+                    help="--compare history|stream: rollout.max_draft_tokens (default: the run's machine default, 4 in "
+                         "fp32, 32 in bf16)")
     b2.add_argument("--skip-steps", type=int, default=2,
                     help="--compare history|stream: first steps left out of the medians (no history yet, start-up)")
     b2.set_defaults(func=cmd_bench_e2e)
