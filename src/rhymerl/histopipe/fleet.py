@@ -22,6 +22,10 @@ Rules (`migration`):
   queue (longest-first admission leaves the shortest predicted there), half of that queue up to its free
   slots. The plan balanced predicted work; this evens out what the predictions got wrong while there is
   still waiting work to move. Moved siblings no longer share their group's worker.
+- "remaining" (`rebalance.py`, shared with the rollout worker): a worker that runs dry takes, from the worker
+  whose predicted end is latest, the requests with the most predicted remaining work (running ones priced
+  from their live censored prediction given the tokens they hold, re-prefill included), each while the move
+  shortens the later of the two; it asks again each time it runs dry.
 Rules combine with "+" (e.g. "steal+tail").
 
 Every finish is reported to `predictor.observe_finished` when a predictor is given, and the running
@@ -38,10 +42,12 @@ from collections.abc import Sequence
 from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
+from rhymerl.histopipe.rebalance import donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
-MIGRATIONS = ("half_busiest", "tail", "steal", "steal+tail")
-POOL_MIGRATIONS = MIGRATIONS[:2]  # rollout.migration_rule's choices: the rules the Ray pool runs too
+DONORS_ASKED = 8  # "remaining": a worker that runs dry asks the 8 latest predicted ends, latest first
+MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail", "steal+remaining")
+POOL_MIGRATIONS = MIGRATIONS[:3]  # rollout.migration_rule's choices: the rules the Ray pool runs too
 
 
 class _Worker:
@@ -53,6 +59,7 @@ class _Worker:
         self.watch: list[tuple[float, int]] = []  # heap of (step, request): a tail request's threshold
         self.admitted: dict[int, float] = {}  # request -> the step it would have started at (keys: see batching)
         self.step = self.clock = self.key_base = 0.0
+        self.recheck = math.inf  # "remaining": the step where a running request passes its prediction
         self.version = 0  # bumps when the worker's running set changes off its own events
         self.busy: list[tuple[float, float]] = []
         self.occupancy: list[tuple[float, int]] = []
@@ -66,7 +73,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
     request lengths (its history's). Returns the timeline and the number of requests moved."""
     rules = set(migration.split("+")) if migration else set()
-    if migration is not None and not rules <= {"half_busiest", "tail", "steal"}:
+    if migration is not None and not rules <= {"half_busiest", "tail", "steal", "remaining"}:
         raise ValueError(f"unknown migration {migration!r}; choose from {', '.join(MIGRATIONS)}")
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     reqs = [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]
@@ -141,8 +148,10 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             _, r = heapq.heappop(wk.watch)
             if r in wk.admitted:  # still running here, past its threshold
                 candidates.add(r)
+        if "remaining" in rules:
+            estimate(w)
         if wk.running:
-            nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf)
+            nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf, wk.recheck)
             heapq.heappush(events, (wk.clock + run_cost(len(wk.running), wk.step, nxt, wk.key_base, step_cost,
                                                         per_key), w, wk.version))
 
@@ -201,6 +210,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                 d.prefill[r] = reprefill(done)
             else:
                 s.queue.remove(r)
+                if r in s.carried:  # moved here before, not admitted yet: what it carries moves on
+                    d.carried[r], d.prefill[r] = s.carried.pop(r), s.prefill.pop(r)
             d.queue.append(r)
             where[r] = dst
         heapq.heapify(s.running)
@@ -238,6 +249,43 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                     take(src, idle_w, [r], now)
                     break
 
+    plen: list[float] = [0.0] * len(reqs)  # "remaining": each request's predicted length, renewed once passed
+    ends: list[float | None] = [None] * len(workers)  # "remaining": each worker's predicted end
+
+    def predicted_length(r: int, done: float) -> float:
+        if plen[r] <= done:  # not asked yet, or run past it: the live prediction given what it holds
+            g, i = reqs[r]
+            plen[r] = predictor.predict_past(keys[g], done) if predictor is not None else max(predicted[g][i],
+                                                                                              done + 1)
+        return plen[r]
+
+    def remaining(w: int) -> tuple[list[int], list[float], list[float]]:  # its requests, works, re-prefills
+        wk = workers[w]
+        share = step_cost[max(len(wk.running), 1)] / max(len(wk.running), 1)
+        rs = [r for _, r in wk.running] + list(wk.queue)
+        done = [wk.step - wk.admitted[r] if r in wk.admitted else wk.carried.get(r, 0.0) for r in rs]
+        works = [remaining_work(d, predicted_length(r, d), share, per_key) for r, d in zip(rs, done)]
+        return rs, works, [reprefill(d) if r in wk.admitted else wk.prefill.get(r, 0.0) for r, d in zip(rs, done)]
+
+    def estimate(w: int) -> None:  # "remaining": w's predicted end, and when to look again (see the doc)
+        wk = workers[w]
+        rs, works, _ = remaining(w)
+        ends[w] = wk.clock + sum(works) if rs else None
+        wk.recheck = min((wk.admitted[r] + max(plen[r], (wk.step - wk.admitted[r]) * 1.02 + 16)
+                          for _, r in wk.running), default=math.inf)
+
+    def rebalance(idle_w: int, now: float) -> bool:  # "remaining": idle_w takes from the latest end
+        own = sum(remaining(idle_w)[1])
+        free = slots - len(workers[idle_w].running) - len(workers[idle_w].queue)
+        for src in donors(ends, idle_w, now)[:DONORS_ASKED]:
+            boundary(src, now)
+            rs, works, prefills = remaining(src)
+            picked = moves(works, prefills, sum(works), own)[:free]
+            if picked:
+                take(src, idle_w, [rs[i] for i in picked], now)
+                return True
+        return False
+
     pending: set[int] = set()  # workers whose watches changed off their own events: rescheduled next
     for w in range(len(workers)):
         schedule(w)
@@ -246,7 +294,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         wk = workers[w]
         if version != wk.version or not wk.running:
             continue
-        nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf)
+        nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf, wk.recheck)
         had = len(candidates)
         advance(w, nxt)
         schedule(w)
@@ -256,6 +304,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         pending.clear()
         if not rules - {"steal"}:
             continue
+        if "remaining" in rules and not wk.running and not wk.queue:  # asked each time it runs dry
+            rebalance(w, t)
         if not wk.running and not wk.queue:
             idle.add(w)
             if "half_busiest" in rules:  # asked once, when the worker runs out (as the Ray pool does)

@@ -11,6 +11,7 @@ predicted and the actual group lengths, and the share of prompts whose rank move
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from collections.abc import Iterable, Sequence
 
 from rhymerl.histopipe.censored import (Stats, expected_length, fit_stats, log_stats, merged, pooled_stats,
@@ -19,6 +20,7 @@ from rhymerl.history import HistoryStore, prompt_key
 
 Prompt = Sequence[int] | str  # token ids, or their key (`rhymerl.history.prompt_key`)
 SHIFT_Z = 3.0  # a last rollout this many standard errors from the older ones: the prompt has shifted
+SHIFTED_P = 0.1  # a running request this unlikely under its prompt's distribution: predicted from the prior
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -209,6 +211,22 @@ class LengthPredictor:
     def predict_many(self, prompts: Iterable[Prompt]) -> list[float]:
         """`predict` for each prompt, in order."""
         return [self.predict(p) for p in prompts]
+
+    def predict_past(self, prompt: Prompt, tokens: float) -> float:
+        """The predicted length of a running request of the prompt that already holds `tokens` tokens: with
+        "lognormal", the expected length given that it is past them (and past its finished siblings), under
+        the prompt's distribution, or under the prior's (a prompt without history) once its own gives that
+        less than SHIFTED_P (the prompt has shifted: its history no longer describes it); else `predict`.
+        Never below tokens + 1 (it has not ended)."""
+        key = _key(prompt)
+        dist = self._distribution(key) if self.statistic == "lognormal" and tokens > 0 else None
+        if dist is None:
+            return max(self.predict(prompt), float(tokens) + 1.0)
+        above = max(float(tokens), *self._seen.get(key, [0]))
+        prior = self._lognormal()[2]
+        if prior is not None and 1.0 - NormalDist().cdf((math.log(above) - dist[0]) / dist[1]) < SHIFTED_P:
+            dist = prior
+        return max(expected_length(*dist, self.cap, above=above), float(tokens) + 1.0)
 
     def _distribution(self, key: str) -> tuple[float, float] | None:
         """(mu, sigma) of the prompt's log-length: its own fit, else the prior; None before any record."""
