@@ -46,7 +46,7 @@ from rhymerl.histopipe.rebalance import donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
 DONORS_ASKED = 8  # "remaining": a worker that runs dry asks the 8 latest predicted ends, latest first
-MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail", "steal+remaining")
+MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail")
 POOL_MIGRATIONS = MIGRATIONS[:3]  # rollout.migration_rule's choices: the rules the Ray pool runs too
 
 

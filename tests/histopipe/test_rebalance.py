@@ -1,0 +1,86 @@
+"""Migration by predicted remaining work (`histopipe.rebalance`, rule "remaining"): the price of a request's
+remaining decode, the donor order, the moves that pay, and the rule in the fleet simulation, where it picks
+the donor by work where half_busiest picks it by count."""
+
+import pytest
+
+from rhymerl.histopipe.batching import ContextCost
+from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
+from rhymerl.histopipe.metrics import makespan
+from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.rebalance import donors, moves, remaining_work
+
+
+def test_remaining_work_prices_tokens_and_the_keys_still_to_attend():
+    # 10 tokens left at 0.5 s each, and keys 11 + 12 + ... + 20 = 155 at 0.1 s
+    assert remaining_work(10, 20, 0.5, 0.1) == pytest.approx(5.0 + 15.5)
+    assert remaining_work(0, 4, 1.0) == pytest.approx(4.0)
+    # a request past its predicted length has at least one token left (it has not ended)
+    assert remaining_work(30, 20, 0.5, 0.1) == pytest.approx(0.5 + 0.1 * 31)
+
+
+def test_donors_latest_predicted_end_first_and_only_those_ending_after_the_receiver():
+    assert donors([5.0, None, 9.0, 7.0], receiver=0) == [2, 3]
+    assert donors([None, None, 9.0, 7.0, 9.0], receiver=0, now=8.0) == [2, 4]  # ties: lower index
+    assert donors([3.0, 2.0], receiver=0) == []
+    assert donors([None, None], receiver=0) == []
+
+
+def test_moves_take_the_largest_while_the_later_of_the_two_shortens():
+    # 3 + 3 balance 12 into 6 / 6; a third would make the receiver the later one
+    assert moves([3.0, 3.0, 3.0, 3.0], [0.0] * 4) == [0, 1]
+    # the long request goes (14 -> max(4, 10.5)); then no short one helps any more
+    assert moves([1.0, 10.0, 1.0, 1.0, 1.0], [0.5] * 5) == [1]
+    # a lone request gains nothing by moving (its re-prefill makes it worse)
+    assert moves([5.0], [0.5]) == [] and moves([5.0], [0.0]) == []
+    # a re-prefill dearer than the gain keeps a request where it is
+    assert moves([4.0, 4.0], [5.0, 5.0]) == []
+    # a busy receiver takes less
+    assert moves([3.0, 3.0, 3.0, 3.0], [0.0] * 4, receiver_left=4.0) == [0]
+    with pytest.raises(ValueError, match="re-prefill"):
+        moves([1.0], [])
+
+
+def test_the_pool_runs_the_rule():
+    assert "remaining" in POOL_MIGRATIONS
+
+
+def affine(tokens, seqs=1):
+    return 1.0 + 0.25 * tokens
+
+
+PRICED = ContextCost(affine, per_key=0.01, prefill_per_pair=0.001)  # attention dominates, as at long contexts
+# worker 0: two long requests; worker 1: eight short ones (more requests, far less work); worker 2: one short
+# group, then out of work
+LENGTHS = [[400, 400], [30] * 8, [5, 5]]
+ASSIGNMENT = [[(0, (0, 1))], [(1, tuple(range(8)))], [(2, (0, 1))]]
+
+
+def test_the_dry_worker_takes_from_the_latest_predicted_end_not_the_most_requests():
+    args = dict(slots=4, cost_model=PRICED, predicted=[[float(n) for n in ls] for ls in LENGTHS])
+    still, _ = simulate_fleet(LENGTHS, ASSIGNMENT, **args)
+    by_count, _ = simulate_fleet(LENGTHS, ASSIGNMENT, migration="half_busiest", **args)
+    by_work, moved = simulate_fleet(LENGTHS, ASSIGNMENT, migration="remaining", **args)
+    assert moved == 1  # one long request: the two then run apart
+    assert any(by_work.busy[2][-1][1] == pytest.approx(t) for t in by_work.finish[0])  # ... it ends on worker 2
+    assert makespan(by_work) < 0.8 * makespan(still)
+    assert makespan(by_work) < makespan(by_count)  # half_busiest took short ones from worker 1 first
+
+
+def test_the_rule_moves_nothing_when_no_move_pays():
+    lengths = [[400], [5]]  # a lone request: moving it only adds its re-prefill
+    _, moved = simulate_fleet(lengths, [[(0, (0,))], [(1, (0,))]], slots=4, cost_model=PRICED,
+                              predicted=[[400.0], [5.0]], migration="remaining")
+    assert moved == 0
+
+
+def test_predict_past_conditions_on_the_tokens_held_and_falls_back_to_the_prior_once_shifted():
+    predictor = LengthPredictor(cap=4096)
+    for k in range(20):
+        predictor.record(f"p{k}", [100 * (k + 1) + j for j in range(8)])
+    assert predictor.predict_past("p0", 0) == pytest.approx(predictor.predict("p0"))
+    held = [predictor.predict_past("p4", t) for t in (100, 400, 800)]
+    assert all(h > t for h, t in zip(held, (100, 400, 800))) and held == sorted(held)
+    # p0 (about 100 tokens) at 1,000: its own history rules that out, so the prior's spread prices it
+    assert predictor.predict_past("p0", 1000) > 1100
+    assert 4000 < predictor.predict_past("p0", 4000) <= 4096  # cut at the cap
