@@ -200,10 +200,12 @@ def test_cli_rhyming_workload_keeps_the_json_layout(cost_file, tmp_path, capsys)
         row, stats = summary["sim"][w], info["workers"][w]
         assert row["requests"] >= 4 * int(w) * 2  # at least 4 waves per worker
         assert stats["with_history"] == 1.0 and stats["step"] == 4  # after 2 epochs of 2 steps
-        for name in ("histopipe_tier1", "histopipe+half_busiest", "histopipe+tail", "histopipe+steal",
-                     "static+half_busiest"):
+        for name in ("histopipe_tier1", "histopipe+half_busiest", "histopipe+tail", "histopipe+remaining",
+                     "histopipe+steal", "static+half_busiest"):
             assert row[name]["makespan_over_lb"] >= 1 - 1e-9 and 0 <= row[name]["bubble"] < 1
         assert "moved" in row["histopipe+tail"] and "speedup_vs_least_loaded" in row["histopipe"]
+        assert row["histopipe+remaining"]["share_of_oracle"] == pytest.approx(
+            row["oracle"]["makespan_s"] / row["histopipe+remaining"]["makespan_s"], rel=1e-3)
         assert set(row["modes"]["sync"]) == set(POLICIES)
     assert summary["cost_model"]["per_key_s"] == 0.001 and summary["context_cost"]["prefill_per_pair_s"] == 0.0001
 

@@ -1,6 +1,6 @@
 """HistoPipe in the real Ray pool (issue 32): tier 2 (a long group split over both workers), the paper's
-migration rule (`rollout.migration_rule=tail`), each fp32 token-identical to the in-process pool (keyed
-draws); a worker's prediction informed by the siblings finished so far (`observe_finished`); and the
+migration rule (`rollout.migration_rule=tail`) and the rule by predicted remaining work (`remaining`), each
+fp32 token-identical to the in-process pool (keyed draws); a worker's prediction informed by the siblings finished so far (`observe_finished`); and the
 simulator's worker model replaying the training loop's per-worker timeline in sync mode.
 
 The model is the tiny llama with four end-of-sequence tokens (`stopping_checkpoint`), so that responses end
@@ -157,6 +157,36 @@ def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(poo
     extra = moved.workers[2:]  # the shares of moved requests, after the two planned ones
     assert len(extra) == totals.migrations and all(w.requests == 1 and w.worker == 0 for w in extra)
     assert all(lengths[s.request_id] > 1 for w in extra for s in w.spans)  # grown past the history's 1 token
+
+
+def test_the_remaining_rule_moves_work_to_the_dry_worker_and_changes_no_token(pool, policy, monkeypatch):
+    """Rule "remaining" (histopipe/rebalance.py): worker 0 is given one short request, worker 1 the rest (23
+    on 4 slots). When worker 0 runs dry the driver asks the worker with the most predicted tokens left
+    (worker 1), which hands over the requests with the most predicted work left while the move pays. Each
+    response comes back once, with the tokens of the unmigrated call and of the in-process pool."""
+    prompts = random_prompts(6, seed=34)
+    pool.history = history = HistoryStore()
+    pool.schedule, pool.migration, pool.migration_rule = "static", False, "remaining"
+    for i, p in enumerate(prompts):
+        pool.record(p, [[5] * (1 + 6 * i)] * 4)
+    gs = groups(prompts, 4, "r")
+    plain = pool.rollout(gs, PARAMS)
+    lengths = {o.request_id: len(o.token_ids) for o in plain.outputs}
+    g0, i0 = min(((g, i) for g in range(6) for i in range(4)), key=lambda x: lengths[gs[x[0]].request_ids[x[1]]])
+    rest = [(g, tuple(i for i in range(4) if (g, i) != (g0, i0))) for g in range(6)]
+    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(g0, (i0,))], [p for p in rest if p[1]]])
+    reference = local_tokens(policy, gs, history)
+    for _ in range(3):  # worker 0's ask must find worker 1 still running (a loaded machine may miss it)
+        before, pool.migration = pool.migrations, True
+        moved = pool.rollout(gs, PARAMS)
+        pool.migration = False
+        assert [o.request_id for o in moved.outputs] == [rid for g in gs for rid in g.request_ids]
+        assert tokens(moved) == tokens(plain) == reference
+        totals = moved.engine_totals()
+        if totals.migrations:
+            break
+    assert totals.migrations == totals.handed_over == pool.migrations - before > 0
+    assert all(w.worker == 0 for w in moved.workers[2:])  # the moved requests' shares ran on the dry worker
 
 
 def test_a_worker_predicts_from_the_siblings_finished_so_far(policy):

@@ -13,12 +13,13 @@ step's arrival order is shuffled (seeded), as a training run's sampler hands out
 (`--trace rhyming`), the steps come from the calibrated workload instead (`pipe_rhyming.rhyming_steps`:
 `waves` waves per worker, each group predicted per request by the censored predictor). Every policy
 (`plan.POLICIES`) runs the same groups, planned by `plan_pieces` (tier 2 for `histopipe` and `oracle`
-unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest` and
-`histopipe+tail` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
+unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest`,
+`histopipe+tail`, `histopipe+remaining` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
 `static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy
 the makespan over the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over
-`static`, and for `histopipe` its share of `oracle` (oracle makespan / histopipe makespan) and its speed-up
-over `least_loaded`. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
+`static`, and for `histopipe` and each `histopipe+RULE` its share of `oracle` (oracle makespan / its
+makespan) and its speed-up over `least_loaded`. `histopipe+remaining` (the plan with migration by predicted
+remaining work, `rebalance.py`) is the row docs/design.md names "HistoPipe, the system" for issue 32's goal. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
 
 Then runs of `run_steps` such steps in a row (`simulate_run`), step 1 the step above and each
 next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
@@ -227,11 +228,12 @@ def simulate_row(steps, w: int, slots: int, cost_model: CostModel, policies: Seq
     for r in row.values():
         if isinstance(r, dict):
             r["speedup_vs_static"] = base / r["makespan_s"] if base and r["makespan_s"] > 0 else None
-    if "histopipe" in row and "oracle" in row and row["histopipe"]["makespan_s"] > 0:
-        row["histopipe"]["share_of_oracle"] = row["oracle"]["makespan_s"] / row["histopipe"]["makespan_s"]
-        if "least_loaded" in row:
-            row["histopipe"]["speedup_vs_least_loaded"] = (row["least_loaded"]["makespan_s"]
-                                                          / row["histopipe"]["makespan_s"])
+    for name in [p for p in row if p.startswith("histopipe")]:  # the plan, and the plan with each rule
+        r = row[name]
+        if "oracle" in row and r["makespan_s"] > 0:
+            r["share_of_oracle"] = row["oracle"]["makespan_s"] / r["makespan_s"]
+            if "least_loaded" in row:
+                r["speedup_vs_least_loaded"] = row["least_loaded"]["makespan_s"] / r["makespan_s"]
     return row, plans
 
 

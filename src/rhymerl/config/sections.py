@@ -177,7 +177,9 @@ class RolloutSection(_Section):
     migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
                                "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
                                "running request at a time, in its group's last 10% still unfinished and grown past "
-                               "1.2x its group's predicted longest member. The same tokens", POOL_MIGRATIONS)
+                               "1.2x its group's predicted longest member; remaining = from the worker with the most "
+                               "predicted work left, its requests with the most left, while the move pays "
+                               "(histopipe/rebalance.py). The same tokens", POOL_MIGRATIONS)
     tier2: bool = _opt(False, "schedule=histopipe: a group predicted long enough to hold the step back may be "
                        "split over several workers (HistoPipe's tier 2; siblings on one worker still draft from "
                        "each other). The same tokens; off until measured to win")

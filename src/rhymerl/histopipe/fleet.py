@@ -271,8 +271,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         wk = workers[w]
         rs, works, _ = remaining(w)
         ends[w] = wk.clock + sum(works) if rs else None
-        wk.recheck = min((wk.admitted[r] + max(plen[r], (wk.step - wk.admitted[r]) * 1.02 + 16)
-                          for _, r in wk.running), default=math.inf)
+        wk.recheck = min((math.ceil(wk.admitted[r] + max(plen[r], (wk.step - wk.admitted[r]) * 1.02 + 16))
+                          for _, r in wk.running), default=math.inf)  # whole steps, as everywhere here
 
     def rebalance(idle_w: int, now: float) -> bool:  # "remaining": idle_w takes from the latest end
         own = sum(remaining(idle_w)[1])

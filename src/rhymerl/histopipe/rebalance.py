@@ -59,3 +59,15 @@ def moves(works: Sequence[float], prefills: Sequence[float], donor_left: float |
             taken.append(i)
             d, r = d - w, r + p + w
     return taken
+
+
+def pool_moves(requests: Sequence, predictor, slots: int) -> list[int]:
+    """The rule on a rollout worker asked to hand over (`RolloutWorker.hand_over`, rule "remaining") for a
+    receiver that has run dry: `requests` its unfinished ones (anything with `prompt_ids` and `output_ids`,
+    the tokens it holds), `predictor` the call's live `LengthPredictor`. Priced in tokens, as the pool runs
+    short contexts where attention is a small part of a step: a request's remaining work is its predicted
+    tokens left (`predict_past`), its re-prefill its held tokens at a full batch's share (1 / `slots` of a
+    decode step each, `batching.reprefill_cost`'s token term). The requests to move, in `moves`' order."""
+    done = [len(q.output_ids) for q in requests]
+    works = [remaining_work(d, predictor.predict_past(q.prompt_ids, d), 1.0) for q, d in zip(requests, done)]
+    return [requests[i] for i in moves(works, [d / slots for d in done])]

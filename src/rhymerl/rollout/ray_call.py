@@ -13,6 +13,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput
+from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.rebalance import donors
 from rhymerl.rollout.types import RolloutGroup, StaleWeightsError, WorkerStats, first_line
 
 
@@ -112,7 +114,7 @@ class RayCall:
 
     def _migrate(self, idle: int) -> None:
         """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
-        (most pending requests) hands over some of its unfinished requests (`RayPool.migration_rule`), sent to
+        (most pending requests; under rule "remaining" the most predicted tokens left) hands over some of its unfinished requests (`RayPool.migration_rule`), sent to
         `idle` as a new share: half_busiest's at once; the tail rule's when the donor answers (`_adopt`)."""
         pool = self.pool
         if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
@@ -129,16 +131,36 @@ class RayCall:
         if not load:
             return
         donor = max(sorted(load), key=load.__getitem__)
+        if pool.migration_rule == "remaining":  # the latest predicted end (histopipe/rebalance.py)
+            left = self._tokens_left(load)
+            donor = next(iter(donors([left.get(w) for w in range(max(*left, idle) + 1)], idle)), donor)
         if tail:
             self.asks[pool.actors[donor].hand_over.remote(1, "tail", None)] = (donor, idle)
             return
         try:
-            moved = ray.get(pool.actors[donor].hand_over.remote(), timeout=pool.timeout_s)
+            moved = ray.get(pool.actors[donor].hand_over.remote(None, pool.migration_rule), timeout=pool.timeout_s)
         except (RayActorError, GetTimeoutError):
             return  # the donor's fault is for its rollout call to report
         if moved:
             self.send(self.add_share([], moved), idle)
             pool.migrations += len(moved)
+
+    def _tokens_left(self, busy) -> dict[int, float]:
+        """Per worker in `busy`, the predicted tokens its pending shares have left to decode (the pool's history,
+        `LengthPredictor.predict_past` for what a moved request already holds): the driver sees shares, not the
+        workers' progress, so a worker's predicted end is its shares' predicted work."""
+        shares = [self.shares[k] for k, s in self.pending.items() if s.worker in busy]
+        prompts = [g.prompt_ids for groups, _ in shares for g in groups] + [c.prompt_ids for _, m in shares for c in m]
+        predictor = LengthPredictor.from_history(self.pool.history, prompts, cap=self.params.max_tokens)
+        left: dict[int, float] = {}
+        for k, s in self.pending.items():
+            if s.worker in busy:
+                groups, moved = self.shares[k]
+                left[s.worker] = (left.get(s.worker, 0.0) + sum(predictor.predict(g.prompt_ids) * len(g.request_ids)
+                                                                for g in groups)
+                                  + sum(predictor.predict_past(c.prompt_ids, len(c.output_ids)) - len(c.output_ids)
+                                        for c in moved))
+        return left
 
     def _adopt(self, ask: ray.ObjectRef) -> None:
         """A standing tail hand-over answered: what it took goes to the worker that asked, or, if that one

@@ -20,6 +20,7 @@ from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.rebalance import pool_moves
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
@@ -316,6 +317,8 @@ class RolloutWorker:
                             self._handover, request = request, None
                     if request is None:
                         return
+            elif request.rule == "remaining":  # histopipe/rebalance.py, the simulator's rule
+                picked = pool_moves(unfinished, self._live_predictor(), self.config.rollout.num_slots)
             else:
                 n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
                 waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
