@@ -18,8 +18,8 @@ unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histop
 `static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy
 the makespan over the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over
 `static`, and for `histopipe` and each `histopipe+RULE` its share of `oracle` (oracle makespan / its
-makespan) and its speed-up over `least_loaded`. `histopipe+remaining` (the plan with migration by predicted
-remaining work, `rebalance.py`) is the row docs/design.md names "HistoPipe, the system" for issue 32's goal. A cost model with attention's term (`batching.ContextCost`) prices long contexts.
+makespan) and its speed-up over `least_loaded` (docs/design.md, section 4, says which row is "HistoPipe, the
+system" for issue 32's goal). A cost model with attention's term (`batching.ContextCost`) prices long contexts.
 
 Then runs of `run_steps` such steps in a row (`simulate_run`), step 1 the step above and each
 next one the next groups of the cycle, in each of `modes` (`sync`, `one_step_off`), each update taking
