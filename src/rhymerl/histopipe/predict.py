@@ -11,8 +11,8 @@ predicted and the actual group lengths, and the share of prompts whose rank move
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 from collections.abc import Iterable, Sequence
+from statistics import NormalDist
 
 from rhymerl.histopipe.censored import (Stats, expected_length, fit_stats, log_stats, merged, pooled_stats,
                                         quantile_length)
