@@ -8,7 +8,7 @@ from rhymerl.histopipe.batching import ContextCost
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histopipe.rebalance import donors, moves, remaining_work
+from rhymerl.histopipe.rebalance import donors, moves, probe_order, remaining_work
 
 
 def test_remaining_work_prices_tokens_and_the_keys_still_to_attend():
@@ -84,3 +84,25 @@ def test_predict_past_conditions_on_the_tokens_held_and_falls_back_to_the_prior_
     # p0 (about 100 tokens) at 1,000: its own history rules that out, so the prior's spread prices it
     assert predictor.predict_past("p0", 1000) > 1100
     assert 4000 < predictor.predict_past("p0", 4000) <= 4096  # cut at the cap
+
+
+def test_probe_order_puts_one_member_of_each_group_first():
+    assert probe_order([10, 11, 12, 20, 21, 30], [1, 1, 1, 2, 2, 3]) == [10, 20, 30, 11, 12, 21]
+    assert probe_order([], []) == []
+    with pytest.raises(ValueError, match="groups"):
+        probe_order([1, 2], [0])
+
+
+def test_early_admits_a_waiting_sibling_once_its_group_ran_past_its_prediction():
+    # one worker, 2 slots: group 0 is predicted and runs 100; group 1 is predicted 10 and runs 50
+    lengths, assignment = [[100, 100], [50, 50]], [[(0, (0, 1)), (1, (0, 1))]]
+    args = dict(slots=2, cost_model=PRICED, predicted=[[100.0, 100.0], [10.0, 10.0]])
+    plain, _ = simulate_fleet(lengths, assignment, migration="remaining", **args)
+    early, moved = simulate_fleet(lengths, assignment, migration="remaining+early", **args)
+    assert moved == 0  # one worker: nothing to move, only the admission order changes
+    assert plain.finish[1][0] > plain.finish[0][1]  # longest-predicted-first: group 1 waits for group 0
+    assert early.finish[1][0] < early.finish[0][0]  # probe order: group 1's first member runs at once
+    # its sibling, renewed from that member's 50 tokens, is admitted before group 0's waiting member
+    assert early.finish[1][1] < early.finish[0][1]
+    with pytest.raises(ValueError, match="unknown migration"):
+        simulate_fleet(lengths, assignment, migration="remaining+soon", **args)

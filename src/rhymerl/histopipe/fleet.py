@@ -26,6 +26,11 @@ Rules (`migration`):
   whose predicted end is latest, the requests with the most predicted remaining work (running ones priced
   from their live censored prediction given the tokens they hold, re-prefill included), each while the move
   shortens the later of the two; it asks again each time it runs dry.
+- "early" (with "remaining": the siblings' early warning): each worker admits one member of each of its
+  groups first (`rebalance.probe_order`), so every group has a running witness early; once a group's member
+  (running, or finished) passes a waiting sibling's predicted length, that sibling is priced at the live
+  prediction past that member's tokens (`predict_past`) and admitted before the worker's other waiting ones.
+  A group whose length rank shifted between epochs is then seen, and moved, before its members start late.
 Rules combine with "+" (e.g. "steal+tail").
 
 Every finish is reported to `predictor.observe_finished` when a predictor is given, and the running
@@ -42,11 +47,11 @@ from collections.abc import Sequence
 from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
-from rhymerl.histopipe.rebalance import donors, moves, remaining_work
+from rhymerl.histopipe.rebalance import donors, moves, probe_order, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
 DONORS_ASKED = 8  # "remaining": a worker that runs dry asks the 8 latest predicted ends, latest first
-MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail")
+MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail", "remaining+early")
 POOL_MIGRATIONS = MIGRATIONS[:3]  # rollout.migration_rule's choices: the rules the Ray pool runs too
 
 
@@ -73,7 +78,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
     request lengths (its history's). Returns the timeline and the number of requests moved."""
     rules = set(migration.split("+")) if migration else set()
-    if migration is not None and not rules <= {"half_busiest", "tail", "steal", "remaining"}:
+    if migration is not None and not rules <= {"half_busiest", "tail", "steal", "remaining", "early"}:
         raise ValueError(f"unknown migration {migration!r}; choose from {', '.join(MIGRATIONS)}")
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     reqs = [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]
@@ -82,6 +87,11 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     unfinished = [len(ls) for ls in lengths]
     threshold = [tail_threshold(max(predicted[g]), grow) for g, _ in reqs]
     workers = [_Worker([rid[(g, i)] for g, idx in pieces for i in idx]) for pieces in assignment]
+    early = "early" in rules
+    if early:
+        for wk in workers:
+            wk.queue = deque(probe_order(list(wk.queue), [reqs[r][0] for r in wk.queue]))
+    longest_done = [0.0] * len(lengths)  # "early": a group's longest finished member
     where = {r: w for w, wk in enumerate(workers) for r in wk.queue}
     if sorted(where) != list(range(len(reqs))):
         raise ValueError("the assignment must hold each request exactly once")
@@ -127,6 +137,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         wk = workers[w]
         if "steal" in rules and not wk.queue and len(wk.running) < slots:
             steal(w)
+        if early and wk.queue and len(wk.running) < slots:  # renewed ones first, longest first; the rest as queued
+            wk.queue = deque(sorted(wk.queue, key=lambda r: (0, -renewed[r]) if renew(r) and renewed[r] else (1, 0)))
         while wk.queue and len(wk.running) < slots:  # refill the free slots before the next step
             r = wk.queue.popleft()
             pay = wk.prefill.pop(r, 0.0)
@@ -176,6 +188,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                         if o is not wk:
                             o.version += 1
                             pending.add(where[q])
+            longest_done[g] = max(longest_done[g], length[r])
             if predictor is not None:
                 predictor.observe_finished(keys[g], int(length[r]))
         if wk.busy and wk.busy[-1][1] >= start:
@@ -259,12 +272,23 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                                                                                               done + 1)
         return plen[r]
 
+    def renew(r: int) -> float:  # "early": a waiting request's length, from the most tokens a sibling reached
+        g, i = reqs[r]
+        ev = max([longest_done[g]] + [workers[where[q]].step - workers[where[q]].admitted[q] for q in
+                                      (rid[(g, j)] for j in range(len(lengths[g]))) if q in workers[where[q]].admitted])
+        base = predicted_length(r, workers[where[r]].carried.get(r, 0.0))
+        renewed[r] = (predictor.predict_past(keys[g], ev) if predictor is not None else ev) if ev > base else 0.0
+        return renewed[r] or base
+
+    renewed = [0.0] * len(reqs)  # "early": a waiting request's renewed length (0: not renewed)
+
     def remaining(w: int) -> tuple[list[int], list[float], list[float]]:  # its requests, works, re-prefills
         wk = workers[w]
         share = step_cost[max(len(wk.running), 1)] / max(len(wk.running), 1)
         rs = [r for _, r in wk.running] + list(wk.queue)
         done = [wk.step - wk.admitted[r] if r in wk.admitted else wk.carried.get(r, 0.0) for r in rs]
-        works = [remaining_work(d, predicted_length(r, d), share, per_key) for r, d in zip(rs, done)]
+        works = [remaining_work(d, renew(r) if early and r not in wk.admitted else predicted_length(r, d), share,
+                                per_key) for r, d in zip(rs, done)]
         return rs, works, [reprefill(d) if r in wk.admitted else wk.prefill.get(r, 0.0) for r, d in zip(rs, done)]
 
     def estimate(w: int) -> None:  # "remaining": w's predicted end, and when to look again (see the doc)

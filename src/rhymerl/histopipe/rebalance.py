@@ -61,6 +61,18 @@ def moves(works: Sequence[float], prefills: Sequence[float], donor_left: float |
     return taken
 
 
+def probe_order(queue: Sequence[int], groups: Sequence[int]) -> list[int]:
+    """Rule "early"'s admission order: the first queued member of each group (`groups[k]`: queue[k]'s), in
+    the queue's order, then the rest in theirs. Under longest-predicted-first admission a predicted-short
+    group otherwise starts last, and a group that has grown since its history goes unseen until then."""
+    if len(queue) != len(groups):
+        raise ValueError(f"{len(queue)} requests but {len(groups)} groups")
+    seen: set[int] = set()
+    first = [k for k, g in enumerate(groups) if not (g in seen or seen.add(g))]
+    rest = sorted(set(range(len(queue))) - set(first))
+    return [queue[k] for k in first + rest]
+
+
 def pool_moves(requests: Sequence, predictor, slots: int) -> list[int]:
     """The rule on a rollout worker asked to hand over (`RolloutWorker.hand_over`, rule "remaining") for a
     receiver that has run dry: `requests` its unfinished ones (anything with `prompt_ids` and `output_ids`,
