@@ -14,7 +14,8 @@ step's arrival order is shuffled (seeded), as a training run's sampler hands out
 `waves` waves per worker, each group predicted per request by the censored predictor). Every policy
 (`plan.POLICIES`) runs the same groups, planned by `plan_pieces` (tier 2 for `histopipe` and `oracle`
 unless `tier2` is off; `histopipe_tier1` keeps groups whole, beside it); `histopipe+half_busiest`,
-`histopipe+tail`, `histopipe+remaining` (and `+steal`, `+steal+tail`) run histopipe's plan with migration (`fleet.simulate_fleet`),
+`histopipe+tail`, `histopipe+remaining` (and `+steal`, `+steal+tail`, `+remaining+early`) run histopipe's plan
+with migration (`fleet.simulate_fleet`),
 `static+half_busiest` verl's split with the Ray pool's migration (the baseline with migration). Per policy
 the makespan over the lower bound, the bubble ratio, the first-to-last finish gap, the speed-up over
 `static`, and for `histopipe` and each `histopipe+RULE` its share of `oracle` (oracle makespan / its
