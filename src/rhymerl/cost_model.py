@@ -28,9 +28,10 @@ class CostModel:
     times; a grid written by hand (tests, a fixed model) is taken as is.
 
     How a GPU runs a draft step (`step`), where the CPU's figures say nothing of it:
-    - `padded_rows`: every row of a step is padded to the tokens of its longest row, rounded up to the next
-      grid point (the CUDA backend's buckets, which `measure`'s grid matches: powers of two and 1 + the
-      draft room). One sequence drafting 8 tokens then costs the step as if every one did.
+    - `padded_rows`: a step runs in a bucket of fixed shape (the CUDA backend's `StaticShapes`, which a
+      measured grid is: `measure(buckets=...)`): its sequences rounded up to the next rows grid point, every
+      row padded to the tokens of its longest row rounded up to the next tokens grid point. One sequence
+      drafting 8 tokens then costs the step as if every one did; 5 sequences cost what 8 do.
     - `draft_step_s`, `draft_node_s`: what a step that verifies drafts adds outside the forward, once and
       per draft node: the device's draws of every node and the acceptance walk, the host's trees. Zero
       leaves the step at its forward.
@@ -51,13 +52,17 @@ class CostModel:
 
     def step(self, base_tokens: int, seqs: int, draft_tokens: int = 0, longest_draft: int = 0) -> float:
         """Predicted time of a step in which `seqs` sequences feed `base_tokens` tokens plus `draft_tokens`
-        draft nodes, the longest draft `longest_draft` nodes: the forward (padded, with `padded_rows`, to the
-        grid point holding the longest row, one token plus its draft) and, with any draft, the draft step's
-        own costs."""
-        if self.padded_rows and draft_tokens:
-            longest = max(base_tokens / max(seqs, 1), 1 + longest_draft)
-            per_seq = next((t for t in self.per_seq_grid if t >= longest), longest)
-            forward = self._forward(per_seq, seqs)
+        draft nodes, the longest draft `longest_draft` nodes: the forward (with `padded_rows`, the bucket's:
+        rows rounded up to the rows grid point holding `seqs`, and in a drafting step tokens to the grid point
+        holding the longest row, one token plus its draft) and, with any draft, the draft step's own costs.
+        Past the grid's last point (no bucket holds it: the step runs eagerly), interpolated as unpadded."""
+        if self.padded_rows:
+            rows = next((n for n in self.seqs_grid if n >= seqs), seqs)
+            per_seq = base_tokens / max(seqs, 1)
+            if draft_tokens:
+                longest = max(per_seq, 1 + longest_draft)
+                per_seq = next((t for t in self.per_seq_grid if t >= longest), longest)
+            forward = self._forward(per_seq, rows)
         else:
             forward = self(base_tokens + draft_tokens, seqs)
         return forward + (self.draft_step_s + self.draft_node_s * draft_tokens if draft_tokens else 0.0)
@@ -90,20 +95,28 @@ class CostModel:
 
 
 def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tokens: int,
-            padded_rows: bool = False, time_draws: Callable[[int, int], float] | None = None) -> CostModel:
+            padded_rows: bool = False, time_draws: Callable[[int, int], float] | None = None,
+            buckets: tuple[list[int], list[int]] | None = None) -> CostModel:
     """Measure the grid: `time_forward(n, t)` runs one verification forward of n sequences feeding t tokens
     each (a chain) and returns its seconds. The engine supplies it (`Engine.measure_cost_model`), says
     whether its backend pads every row to the longest (`padded_rows`: the grid's tokens per sequence are
     then the backend's buckets) and, where drafts are verified on the device, `time_draws(n, t)`: the
     seconds of drawing and walking n chains of t nodes (t = 0: a plain step's draws), which give the draft
-    step's own costs (`draft_step_s`, `draft_node_s`)."""
-    seqs_grid = sorted({n for n in SEQS_GRID if n < slots} | {slots})
-    per_seq_grid = sorted({t for t in TOKENS_PER_SEQ_GRID if t <= max_draft_tokens} | {max_draft_tokens + 1})
+    step's own costs (`draft_step_s`, `draft_node_s`). `buckets`: (rows, tokens per row) of a backend whose
+    steps run in fixed shapes: the grid is then those buckets (up to the one holding a full draft), each
+    measured, none extrapolated, so that a step is priced at its own bucket's measured time."""
+    if buckets is None:
+        seqs_grid = sorted({n for n in SEQS_GRID if n < slots} | {slots})
+        per_seq_grid = sorted({t for t in TOKENS_PER_SEQ_GRID if t <= max_draft_tokens} | {max_draft_tokens + 1})
+    else:
+        seqs_grid = sorted(n for n in buckets[0] if n <= slots)
+        top = next((t for t in sorted(buckets[1]) if t >= max_draft_tokens + 1), max_draft_tokens + 1)
+        per_seq_grid = sorted({t for t in buckets[1] if t < top} | {top})
     times = []
     for n in seqs_grid:
         row = []
         for t in per_seq_grid:
-            if n * t > MAX_MEASURED_TOKENS and len(row) >= 2:  # big enough to extrapolate linearly from here
+            if n * t > MAX_MEASURED_TOKENS and len(row) >= 2 and buckets is None:  # big enough to extrapolate linearly from here
                 break
             row.append(min(time_forward(n, t) for _ in range(REPEATS)))
         while len(row) < len(per_seq_grid):  # extrapolate the skipped (largest) points

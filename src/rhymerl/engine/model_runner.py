@@ -132,7 +132,9 @@ class ModelRunner:
             self.synchronize()
             return time.perf_counter() - t0
 
-        # On a GPU: rows padded to buckets (`Backend.pads_rows`), and the draws' and walk's own cost
+        # On a GPU: every bucket a step runs in (`Backend.step_buckets`), rows padded to them (`Backend.pads_rows`),
+        # and the draws' and walk's own cost
         draws = partial(time_draws, self.model.cfg.vocab_size, self.cache.kv.device) \
             if self.backend.verifies_on_device else None
-        return cost_model.measure(time_forward, slots, max_draft_tokens, self.backend.pads_rows, draws)
+        return cost_model.measure(time_forward, slots, max_draft_tokens, self.backend.pads_rows, draws,
+                                  self.backend.step_buckets)

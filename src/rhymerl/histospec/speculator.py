@@ -68,6 +68,9 @@ class Speculator:
         # step costs more than the calibration shape (sampling per tree level, mixed groups), and more so
         # when it drafts; the decision compares corrected costs. Updated by `observe_step`.
         self._ratio: dict[tuple[int, bool], float] = {}
+        # With a padded (GPU) cost model, measured minus predicted step time instead, less the drafting
+        # (`budget.host_seconds`): a GPU step's time outside its forward is a fixed cost, not a ratio.
+        self._host: dict[tuple[int, bool], float] = {}
         self._pending: tuple | None = None
 
     def attach(self, eos_token_ids, measure_cost) -> None:
@@ -90,7 +93,8 @@ class Speculator:
         state (sibling indexes, per-sequence lengths) ends with each rollout and is not part of it."""
         return {"calibration": self.calibration.state_dict(), "cost": self.cost.as_dict(),
                 "correct_cost": self.correct_cost, "idle": [[b, n] for b, n in sorted(self._idle.items())],
-                "ratio": [[b, d, r] for (b, d), r in sorted(self._ratio.items())]}
+                "ratio": [[b, d, r] for (b, d), r in sorted(self._ratio.items())],
+                "host": [[b, d, s] for (b, d), s in sorted(self._host.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         """The inverse of `state_dict`. Without a "cost" entry the current cost model is kept; a
@@ -103,6 +107,7 @@ class Speculator:
             self.calibration.load_state_dict(cal)
         self._idle = {int(b): int(n) for b, n in state.get("idle", [])}
         self._ratio = {(int(b), bool(d)): float(r) for b, d, r in state.get("ratio", [])}
+        self._host = {(int(b), bool(d)): float(s) for b, d, s in state.get("host", [])}
         self._pending = None
 
     # ---- the engine's two calls a step ----------------------------------------------------------
@@ -187,12 +192,14 @@ class Speculator:
         idle = self._idle.get(bucket, 0)
         drafts, skipped = self._draft_each(contexts, specs, max_depths or [None] * len(specs))
         ranked, order = self._rank(drafts)
-        plain_cost = self.cost(base_tokens, seqs)
-        # measured/predicted time of drafting steps relative to plain ones (observe_step)
+        # measured/predicted time of drafting steps relative to plain ones, or on a GPU the measured time
+        # outside the priced forward and draws, plain and drafting (observe_step)
         scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        host_plain, host = (budget.host_seconds(self._host, bucket, d) for d in (False, True))
+        plain_cost = self.cost.step(base_tokens, seqs) + host_plain
 
         def step_cost(n: int, longest: int = 0) -> float:  # this step with n draft tokens, the longest draft `longest`
-            return self.cost.step(base_tokens, seqs, n, longest) * scale
+            return self.cost.step(base_tokens, seqs, n, longest) * scale + host
 
         choose = budget.uniform_cap if draining else budget.top_nodes
         keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
@@ -202,10 +209,11 @@ class Speculator:
             extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
                                                       for j in range(1, PROBE_NODES + 1)))
         self._count_rounds(specs, keep, skipped)
-        self._pending = (bucket, any(keep), self.cost.step(base_tokens, seqs, extra, max(keep, default=0)))
         self._idle[bucket] = 0 if pays else idle + 1
         out = [budget.prune(d, set(o[:n])) for d, o, n in zip(drafts, order, keep)]
-        self._count_draft_time(time.perf_counter() - t0, specs, skipped)
+        elapsed = time.perf_counter() - t0
+        self._count_draft_time(elapsed, specs, skipped)
+        self._pending = (bucket, any(keep), self.cost.step(base_tokens, seqs, extra, max(keep, default=0)), elapsed)
         return out
 
     # ---- the parts of `plan` ------------------------------------------------------------------------
@@ -269,9 +277,12 @@ class Speculator:
         """The measured time of the step `plan` planned: updates the measured/predicted ratio."""
         if self._pending is None or not self.correct_cost:
             return
-        bucket, drafting, predicted = self._pending
+        bucket, drafting, predicted, drafting_s = self._pending
         key = (bucket, drafting)
-        self._ratio[key] = 0.9 * self._ratio.get(key, 1.0) + 0.1 * (seconds / predicted)
+        if self.cost.padded_rows:  # the drafting itself is priced apart: `_pays`, the pause
+            self._host[key] = budget.update_host(self._host.get(key), seconds - drafting_s - predicted)
+        else:
+            self._ratio[key] = 0.9 * self._ratio.get(key, 1.0) + 0.1 * (seconds / predicted)
         self._pending = None
 
     def record(self, spec: SeqSpec, draft: Draft, accepted_nodes: list[int], kept: int | None = None) -> None:

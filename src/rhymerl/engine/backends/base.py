@@ -28,11 +28,13 @@ class Backend(Protocol):
     draft node and walks the drafts on the device (`engine.device_verification`: a GPU), in one call per step,
     rather than level by level on the host. `pads_rows`: every row of a step runs padded to the tokens of
     its longest row, rounded up to a bucket (CUDA graphs), so the cost model prices a draft step that way
-    (`CostModel.padded_rows`)."""
+    (`CostModel.padded_rows`). `step_buckets`: where steps run in fixed shapes, (rows, tokens per row) they are
+    rounded up to, which the cost model measures one by one (`cost_model.measure`); None elsewhere."""
 
     ops: object | None
     verifies_on_device: bool
     pads_rows: bool
+    step_buckets: tuple[list[int], list[int]] | None
 
     def forward(self, step: Step) -> torch.Tensor:
         """Logits [R, vocab] in the model's dtype, once the step's keys/values are in the cache."""

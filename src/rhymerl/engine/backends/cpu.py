@@ -63,6 +63,7 @@ class CpuBackend:
     must be fp32 or bf16 (the kernels' dtypes)."""
 
     pads_rows = False  # each row computes its own tokens only
+    step_buckets = None  # no fixed shapes
     verifies_on_device = False  # each sampled row costs a pass over the vocabulary: sample the rows walks reach
 
     def __init__(self, model: Decoder, cache: KVCache, ops):

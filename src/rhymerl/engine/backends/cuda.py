@@ -92,6 +92,11 @@ class CudaBackend(EagerBackend):
         """Fixed shapes pad every row to the step's longest (`static_step`); the eager mode does not."""
         return self.mode != "eager"
 
+    @property
+    def step_buckets(self) -> tuple[list[int], list[int]] | None:
+        """(rows, tokens per row) a decode or verification step is rounded up to (`StaticShapes`)."""
+        return None if self.mode == "eager" else (self.shapes.rows, self.shapes.tokens)
+
     def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
         tokens) now, on a step of padding alone (which changes no committed key or value), so that no later

@@ -182,6 +182,7 @@ class EagerBackend:
 
     ops = None  # no fused kernels: the sampler runs in torch too
     pads_rows = False  # each row computes its own tokens only
+    step_buckets = None  # no fixed shapes
     verifies_on_device = False  # on a CPU each sampled row costs a pass over the vocabulary
 
     def __init__(self, model: Decoder, cache: KVCache):
