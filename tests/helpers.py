@@ -1,9 +1,11 @@
 """Helpers that tests in several folders share: a cost model under which drafting is free, a random model made
-peaky enough for history drafts to be accepted, a recorded previous epoch, and trainer samples. (A test file
+peaky enough for history drafts to be accepted, a recorded previous epoch, trainer samples, the engine's dense
+reference (reference_generate, its keyed draw in plain Python). (A test file
 imports them from here, never from another test file.)"""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -13,7 +15,8 @@ import torch
 from rhymerl.config import RolloutSection, TrainSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
-from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.sampler import BLOCK, filtered_probs
+from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.metrics import read_metrics
@@ -141,3 +144,40 @@ def killed_rank_message(group, batch) -> str:
     msg = str(failure.value)
     assert "\n" not in msg and "--resume" in msg, msg
     return msg
+
+
+# ---- the engine's references: test_engine.py and test_cuda.py -------------------------------------
+def keyed_uniform_reference(key: int, column: int) -> float:
+    """`sampler.keyed_uniforms` for one (draw key, column) in plain Python uint64 arithmetic."""
+    z = _splitmix64((key + column * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))  # splitmix adds one more golden step
+    return ((z >> 11) + 0.5) * (1.0 / (1 << 53))
+
+
+def reference_sample(probs: list[float], key: int) -> int:
+    """The two-level keyed Gumbel-max of `rhymerl.engine.sampler`, one draw, in plain Python."""
+    def gumbel(column):
+        return -math.log(-math.log(keyed_uniform_reference(key, column)))
+    blocks = [probs[i : i + BLOCK] for i in range(0, len(probs), BLOCK)]
+    scores = [math.log(sum(b)) + gumbel(j) if sum(b) > 0 else -math.inf for j, b in enumerate(blocks)]
+    j = max(range(len(blocks)), key=lambda k: scores[k])
+    inner = [math.log(p) + gumbel(j * BLOCK + i + (1 << 40)) if p > 0 else -math.inf for i, p in enumerate(blocks[j])]
+    return j * BLOCK + max(range(len(inner)), key=lambda k: inner[k])
+
+
+def reference_generate(model, prompt, params, request_id, eos=()):
+    """Dense recomputation of the whole sequence at every token, sampling with the same keyed rule."""
+    ids, logps = list(prompt), []
+    for j in range(params.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0, -1].float()
+        if params.greedy:
+            tok = int(logits.argmax())
+            logps.append(float(torch.log_softmax(logits, -1)[tok]))
+        else:
+            probs = filtered_probs(torch.softmax(logits[None] / params.temperature, -1), params)
+            tok = reference_sample(probs[0].double().tolist(), draw_key(params.seed, request_key(request_id), j))
+            logps.append(float(torch.log_softmax(logits / params.temperature, -1)[tok]))
+        ids.append(tok)
+        if tok in eos:
+            break
+    return ids[len(prompt):], logps

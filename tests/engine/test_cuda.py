@@ -19,8 +19,7 @@ from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
 from rhymerl.rl.trainer import PolicyTrainer
 
-from helpers import history_of, peaky, speculator, training_samples
-from test_engine import reference_generate  # this folder's: the dense reference of the engine's tests
+from helpers import history_of, peaky, reference_generate, speculator, training_samples
 from tiny_models import random_prompts, tiny_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

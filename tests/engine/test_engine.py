@@ -1,52 +1,16 @@
 """The engine against a naive reference loop, keyed randomness, stop conditions and bad input."""
 
-import math
-
 import pytest
 import torch
 
 from rhymerl.engine.backends import native
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampler import BLOCK, filtered_probs, keyed_uniforms, sample, sample_columns
-from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
+from rhymerl.engine.sampling_params import SamplingParams, draw_key, request_key
 from rhymerl.histospec.speculator import Speculator
+
+from helpers import keyed_uniform_reference, reference_generate, reference_sample
 from tiny_models import VOCAB, random_prompts, tiny_decoder
-
-
-def keyed_uniform_reference(key: int, column: int) -> float:
-    """`sampler.keyed_uniforms` for one (draw key, column) in plain Python uint64 arithmetic."""
-    z = _splitmix64((key + column * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))  # splitmix adds one more golden step
-    return ((z >> 11) + 0.5) * (1.0 / (1 << 53))
-
-
-def reference_sample(probs: list[float], key: int) -> int:
-    """The two-level keyed Gumbel-max of `rhymerl.engine.sampler`, one draw, in plain Python."""
-    def gumbel(column):
-        return -math.log(-math.log(keyed_uniform_reference(key, column)))
-    blocks = [probs[i : i + BLOCK] for i in range(0, len(probs), BLOCK)]
-    scores = [math.log(sum(b)) + gumbel(j) if sum(b) > 0 else -math.inf for j, b in enumerate(blocks)]
-    j = max(range(len(blocks)), key=lambda k: scores[k])
-    inner = [math.log(p) + gumbel(j * BLOCK + i + (1 << 40)) if p > 0 else -math.inf for i, p in enumerate(blocks[j])]
-    return j * BLOCK + max(range(len(inner)), key=lambda k: inner[k])
-
-
-def reference_generate(model, prompt, params, request_id, eos=()):
-    """Dense recomputation of the whole sequence at every token, sampling with the same keyed rule."""
-    ids, logps = list(prompt), []
-    for j in range(params.max_tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids]))[0, -1].float()
-        if params.greedy:
-            tok = int(logits.argmax())
-            logps.append(float(torch.log_softmax(logits, -1)[tok]))
-        else:
-            probs = filtered_probs(torch.softmax(logits[None] / params.temperature, -1), params)
-            tok = reference_sample(probs[0].double().tolist(), draw_key(params.seed, request_key(request_id), j))
-            logps.append(float(torch.log_softmax(logits / params.temperature, -1)[tok]))
-        ids.append(tok)
-        if tok in eos:
-            break
-    return ids[len(prompt):], logps
 
 
 @pytest.fixture(scope="module")
