@@ -99,4 +99,6 @@ def test_an_engine_that_verifies_on_the_device_measures_its_draft_steps_cost():
     engine.runner.backend = CudaBackend(model, engine.cache, "static")
     cost = engine.measure_cost_model(4)
     assert cost.padded_rows and cost.draft_step_s + cost.draft_node_s > 0
+    # its grid is the buckets a step runs in (2 slots; 1 token + 4 drafts a row), each one measured
+    assert (cost.seqs_grid, cost.per_seq_grid) == ([1, 2], [1, 2, 4, 5]) == tuple(engine.runner.backend.step_buckets)
     assert cost.step(2, 2, 2, 1) > cost(4, 2)
