@@ -116,7 +116,8 @@ def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tok
     for n in seqs_grid:
         row = []
         for t in per_seq_grid:
-            if n * t > MAX_MEASURED_TOKENS and len(row) >= 2 and buckets is None:  # big enough to extrapolate linearly from here
+            # big enough to extrapolate linearly from here (a bucket is measured: it is what a step runs in)
+            if n * t > MAX_MEASURED_TOKENS and len(row) >= 2 and buckets is None:
                 break
             row.append(min(time_forward(n, t) for _ in range(REPEATS)))
         while len(row) < len(per_seq_grid):  # extrapolate the skipped (largest) points
