@@ -3,7 +3,7 @@
 
 Without speculation a sequence commits one token per forward, and a step of n sequences costs `cost(n, n)`:
 the planner's worker model (`batching.worker_time`) on token counts is then exact. With HistoSpec, two things
-change, both measured on the recorded `repeat` workload (docs/notebook/2026-11-27-c-h32real.md):
+change, both measured on the recorded `repeat` workload (the notebook entries cited in docs/design.md, section 4, Pricing):
 
 - a request commits `tokens_per_forward` tokens per forward it takes part in, and that rate is the prompt's:
   answers that its history or its siblings draft well take far fewer forwards per token (1.1 to 4.0 on that
