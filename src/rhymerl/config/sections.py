@@ -170,16 +170,15 @@ class RolloutSection(_Section):
                          "balanced (OpenRLHF/slime); histopipe = predicted lengths from the history, balanced on "
                          "the measured cost model, longest first. The same tokens under each; default static "
                          "until histopipe is measured to win", ROLLOUT_SCHEDULES)
-    migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes over half of the "
-                           "unfinished requests of one still running, at its next step boundary (re-prefilling "
-                           "them; the same tokens); with stream=true, from the oldest step still running, while "
-                           "its next share waits for weights; off until measured to win")
+    migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes requests of one still "
+                           "running at its next step boundary (re-prefilled; the same tokens); with stream=true, "
+                           "from the oldest step still running; off until measured to win")
     migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
                                "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
                                "running request at a time, in its group's last 10% still unfinished and grown past "
                                "1.2x its group's predicted longest member; remaining = from the worker with the most "
-                               "predicted work left, its requests with the most left, while the move pays "
-                               "(histopipe/rebalance.py). The same tokens", POOL_MIGRATIONS)
+                               "predicted work left, its requests with the most left, while moving pays. Same tokens",
+                               POOL_MIGRATIONS)
     tier2: bool = _opt(False, "schedule=histopipe: a group predicted long enough to hold the step back may be "
                        "split over several workers (HistoPipe's tier 2; siblings on one worker still draft from "
                        "each other). The same tokens; off until measured to win")
@@ -197,8 +196,7 @@ class RolloutSection(_Section):
                               "sampled it (0 in sync, 1 in one_step_off; a deferred request that would exceed it "
                               "is run again from scratch, rollout/rerun)", check=">= 0")
     reward_aware_drafting: bool = _opt(False, "HistoSpec prefers branches that earlier responses with higher "
-                                       "rewards took (the paper's reward-aware branch priority); the same tokens, "
-                                       "other drafts")
+                                       "rewards took (the paper's reward-aware priority); same tokens, other drafts")
 
     def _rules(self) -> list[tuple]:
         return [("num_generations", self.num_generations >= 2, ">= 2",
