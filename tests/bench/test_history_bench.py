@@ -75,7 +75,8 @@ def test_the_stream_on_and_off_train_the_same_one_step_off_run(cluster, tiny_dir
 def test_the_history_sides_by_mode():
     """History on in one_step_off streams instead of migrating; off does neither."""
     assert sides("history", "sync")["on"][-1] == "rollout.migration=true"
-    assert sides("history", "one_step_off")["on"][-2:] == ["rollout.stream=true", "rollout.migration=false"]
+    assert sides("history", "one_step_off")["on"][-2:] == ["rollout.stream=true", "rollout.migration=true"]
+    assert "rollout.migration=true" in sides("stream", "one_step_off")["no_stream"]
     assert "rollout.stream=false" in sides("history", "one_step_off")["off"]
     assert sides("stream", "one_step_off", "off")["stream"][0] == "rollout.speculative=off"
 

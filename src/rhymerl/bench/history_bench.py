@@ -5,13 +5,12 @@ Both runs train the same model on the same prompts with the same seed, on the sa
 rollout mode (`--mode`); with `--compare history` they differ only in whether rollout uses history:
 
 - on: HistoSpec drafts (`rollout.speculative=histospec`), HistoPipe's split by predicted length
-  (`rollout.schedule=histopipe`), and in the tail migration (`rollout.migration=true`, sync) or, in one_step_off,
-  the stream (`rollout.stream=true`: a worker done with step t starts step t+1; migration off, which the stream
-  replaces);
+  (`rollout.schedule=histopipe`), migration in the tail (`rollout.migration=true`) and, in one_step_off, the
+  stream (`rollout.stream=true`: a worker done with step t starts step t+1, and migrates inside the stream);
 - off: plain decoding, verl's equal contiguous split (`static`), no migration, no stream.
 
 With `--compare stream` both runs are one_step_off with the history settings of one side above (`--history`,
-less the stream and migration), one with the stream and one without; `stream_speedup` is the second's median
+less the stream), one with the stream and one without; `stream_speedup` is the second's median
 seconds per step over the first's.
 
 The job (`workload`) is, unless options say otherwise, part 1's rhyming real workload as `bench pipe --trace
@@ -55,10 +54,11 @@ EPOCHS = 4  # part 1's prompts are one step: 4 steps, the last 2 (with history o
 
 def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:
     """The two runs' settings, the faster one expected first (see the module doc)."""
+    migrate = f"rollout.migration={'true' if history == 'on' else 'false'}"  # the stream migrates too now
     if compare == "stream":
-        same = HISTORY[history] + ["rollout.migration=false"]
+        same = HISTORY[history] + [migrate]
         return {"stream": same + ["rollout.stream=true"], "no_stream": same + ["rollout.stream=false"]}
-    tail = ["rollout.stream=true", "rollout.migration=false"] if mode == "one_step_off" else ["rollout.migration=true"]
+    tail = ["rollout.stream=true", migrate] if mode == "one_step_off" else [migrate]
     return {"on": HISTORY["on"] + tail, "off": HISTORY["off"] + ["rollout.migration=false", "rollout.stream=false"]}
 
 # Per step, from the run's metrics.jsonl: what the table and the JSON line show. Seconds first, then the counts
