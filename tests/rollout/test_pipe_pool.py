@@ -124,26 +124,23 @@ def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy
     assert learned != [40.0, 40.0] and learned[1] > 40.0
 
 
-def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(pool, policy, monkeypatch):
-    """Worker 0 is given one short request, worker 1 the rest (23 on 4 slots). The history (1-token answers)
-    makes every longer response "grown past it": once a group's last request on worker 1 runs beside
-    another, it is moved to worker 0, one request per hand-over. Each response comes back once, with the
-    tokens of the unmigrated call and of the in-process pool."""
-    prompts = random_prompts(6, seed=32)
+def _migrated_call(pool, policy, monkeypatch, rule: str, prompts, answers, tag: str):
+    """The migration tests' call: `answers[k]` recorded as prompt k's history, 4 requests a prompt, worker 0
+    given the shortest request alone and worker 1 the rest (23 on 4 slots), migration by `rule`. Every call
+    must return each response once with the tokens of the unmigrated call and of the in-process pool; one of
+    three must migrate (worker 0's ask must find worker 1 still running: a loaded machine may miss it).
+    Returns the migrating call and the responses' lengths by request id."""
     pool.history = history = HistoryStore()
-    pool.schedule, pool.migration, pool.migration_rule = "static", False, "tail"
-    for p in prompts:
-        pool.record(p, [[5]] * 4)
-    gs = groups(prompts, 4, "m")
+    pool.schedule, pool.migration, pool.migration_rule = "static", False, rule
+    for p, a in zip(prompts, answers):
+        pool.record(p, a)
+    gs = groups(prompts, 4, tag)
     plain = pool.rollout(gs, PARAMS)
     lengths = {o.request_id: len(o.token_ids) for o in plain.outputs}
     g0, i0 = min(((g, i) for g in range(6) for i in range(4)), key=lambda x: lengths[gs[x[0]].request_ids[x[1]]])
     rest = [(g, tuple(i for i in range(4) if (g, i) != (g0, i0))) for g in range(6)]
     monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(g0, (i0,))], [p for p in rest if p[1]]])
     reference = local_tokens(policy, gs, history)
-    # The rule fires only while a qualifying request runs beside another on worker 1, and worker 0's ask
-    # arrives when its one request is done: on a loaded machine that can miss the window. Every call must
-    # return the same tokens; one of three must migrate.
     for _ in range(3):
         before, pool.migration = pool.migrations, True
         moved = pool.rollout(gs, PARAMS)
@@ -154,8 +151,20 @@ def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(poo
         if totals.migrations:
             break
     assert totals.migrations == totals.handed_over == pool.migrations - before > 0
+    return moved, lengths
+
+
+def test_the_tail_rule_moves_requests_grown_past_their_history_one_at_a_time(pool, policy, monkeypatch):
+    """Worker 0 is given one short request, worker 1 the rest (23 on 4 slots). The history (1-token answers)
+    makes every longer response "grown past it": once a group's last request on worker 1 runs beside
+    another, it is moved to worker 0, one request per hand-over. Each response comes back once, with the
+    tokens of the unmigrated call and of the in-process pool."""
+    # The rule fires only while a qualifying request runs beside another on worker 1, and worker 0's ask
+    # arrives when its one request is done: on a loaded machine that can miss the window.
+    prompts = random_prompts(6, seed=32)
+    moved, lengths = _migrated_call(pool, policy, monkeypatch, "tail", prompts, [[[5]] * 4 for _ in prompts], "m")
     extra = moved.workers[2:]  # the shares of moved requests, after the two planned ones
-    assert len(extra) == totals.migrations and all(w.requests == 1 and w.worker == 0 for w in extra)
+    assert len(extra) == moved.engine_totals().migrations and all(w.requests == 1 and w.worker == 0 for w in extra)
     assert all(lengths[s.request_id] > 1 for w in extra for s in w.spans)  # grown past the history's 1 token
 
 
@@ -165,27 +174,8 @@ def test_the_remaining_rule_moves_work_to_the_dry_worker_and_changes_no_token(po
     (worker 1), which hands over the requests with the most predicted work left while the move pays. Each
     response comes back once, with the tokens of the unmigrated call and of the in-process pool."""
     prompts = random_prompts(6, seed=34)
-    pool.history = history = HistoryStore()
-    pool.schedule, pool.migration, pool.migration_rule = "static", False, "remaining"
-    for i, p in enumerate(prompts):
-        pool.record(p, [[5] * (1 + 6 * i)] * 4)
-    gs = groups(prompts, 4, "r")
-    plain = pool.rollout(gs, PARAMS)
-    lengths = {o.request_id: len(o.token_ids) for o in plain.outputs}
-    g0, i0 = min(((g, i) for g in range(6) for i in range(4)), key=lambda x: lengths[gs[x[0]].request_ids[x[1]]])
-    rest = [(g, tuple(i for i in range(4) if (g, i) != (g0, i0))) for g in range(6)]
-    monkeypatch.setattr(pool, "split", lambda groups, n, cap=None: [[(g0, (i0,))], [p for p in rest if p[1]]])
-    reference = local_tokens(policy, gs, history)
-    for _ in range(3):  # worker 0's ask must find worker 1 still running (a loaded machine may miss it)
-        before, pool.migration = pool.migrations, True
-        moved = pool.rollout(gs, PARAMS)
-        pool.migration = False
-        assert [o.request_id for o in moved.outputs] == [rid for g in gs for rid in g.request_ids]
-        assert tokens(moved) == tokens(plain) == reference
-        totals = moved.engine_totals()
-        if totals.migrations:
-            break
-    assert totals.migrations == totals.handed_over == pool.migrations - before > 0
+    moved, _ = _migrated_call(pool, policy, monkeypatch, "remaining", prompts,
+                              [[[5] * (1 + 6 * i)] * 4 for i in range(len(prompts))], "r")
     assert all(w.worker == 0 for w in moved.workers[2:])  # the moved requests' shares ran on the dry worker
 
 
