@@ -25,10 +25,14 @@ import weakref
 
 import torch
 from transformers import CompileConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import utils as generation_utils
 
 from rhymerl.engine.sampling_params import SamplingParams
 
 HF_MODES = ("eager", "static", "compiled")
+# `generate`'s name for a cache handed in: `cache` in recent transformers, `past_key_values` before (5.17 has
+# only that one); the first of the names the installed version accepts
+_CACHE_KWARG = getattr(generation_utils, "ALL_CACHE_NAMES", ["past_key_values"])[0]
 _CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # model -> {shape: cache}
 
 
@@ -70,11 +74,11 @@ def _mode_kwargs(hf_model, mode: str, batch: int, max_cache_len: int) -> dict:
         cache = caches[batch, max_cache_len] = StaticCache(config=hf_model.config, max_cache_len=max_cache_len)
     cache.reset()  # zeroes in place: the addresses stay
     if mode == "static":
-        return dict(cache=cache, disable_compile=True)
+        return {_CACHE_KWARG: cache, "disable_compile": True}
     config = CompileConfig()  # transformers' defaults: inductor, "reduce-overhead" (CUDA graphs), not fullgraph
     if hf_model.device.type != "cuda":
         config._compile_all_devices = True
-    return dict(cache=cache, compile_config=config)
+    return {_CACHE_KWARG: cache, "compile_config": config}
 
 
 def hf_generate(hf_model, prompts: list[list[int]], batch: int, params: SamplingParams, pad_id: int,

@@ -135,6 +135,21 @@ def test_every_bucket_runs_on_padding_alone_and_changes_no_cache_entry():
     both(eager, static, [SlotInput(s, 0, p, logits_from=len(p) - 1) for s, p in zip((0, 1), prompts)])
 
 
+def test_capturing_every_shape_records_no_autograd_graph(monkeypatch):
+    """A bench calls `capture_every_shape` outside `ModelRunner.run`, with autograd on and the weights
+    requiring grad: each bucket's step must still run in inference mode, or (on a GPU) every captured graph's
+    logits would keep the step's activations alive for a backward that never comes (an H200 ran out of its
+    139 GiB that way)."""
+    _, _, static = runners(slots=2, max_len=40, scratch=8)
+    assert torch.is_grad_enabled() and any(p.requires_grad for p in static.model.parameters())
+    outputs = []
+    run = StaticStep.run
+    monkeypatch.setattr(StaticStep, "run", lambda self: outputs.append(run(self)) or outputs[-1])
+    done, _ = static.backend.capture_every_shape()
+    assert done == len(outputs) > 0
+    assert all(x.grad_fn is None and not x.requires_grad for x in outputs)
+
+
 def test_a_mixed_step_runs_in_parts_and_keeps_the_step_order():
     """Prefill chains, decode rows and prefix copiers in one step (an admission step of a GRPO rollout): the
     eager backend's logits, in the step's order, and its cache."""

@@ -97,11 +97,15 @@ class CudaBackend(EagerBackend):
         """(rows, tokens per row) a decode or verification step is rounded up to (`StaticShapes`)."""
         return None if self.mode == "eager" else (self.shapes.rows, self.shapes.tokens)
 
+    @torch.inference_mode()
     def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
         tokens) now, on a step of padding alone (which changes no committed key or value), so that no later
         step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
-        once instead (what the CPU can check). Returns (buckets newly captured or run, seconds)."""
+        once instead (what the CPU can check). Returns (buckets newly captured or run, seconds).
+        In inference mode, as `ModelRunner.run`: a caller outside it would otherwise capture every bucket's
+        autograd graph, its activations kept alive by the bucket's logits (on an H200, 130 GiB after three
+        engines' captures)."""
         if self.mode == "eager":
             return 0, 0.0
         t0, done = time.perf_counter(), 0
