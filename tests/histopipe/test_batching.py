@@ -5,7 +5,7 @@ import random
 import pytest
 
 from rhymerl.cost_model import CostModel
-from rhymerl.histopipe.batching import decode_costs, run_worker, worker_time
+from rhymerl.histopipe.batching import decode_costs, run_cost, run_worker, steps_to_reach, worker_time
 
 
 def const(seconds):
@@ -51,3 +51,15 @@ def test_worker_time_matches_run_worker():
         lengths = [rng.randint(1, 200) for _ in range(rng.randint(0, 30))]
         slots = rng.randint(1, 8)
         assert worker_time(lengths, slots, step_cost) == pytest.approx(run_worker(lengths, slots, step_cost).end)
+
+
+def test_steps_to_reach_is_the_fewest_steps_whose_cost_reaches_the_time():
+    """Where a running worker's next step boundary is: checked against a linear scan, with and without the
+    attention term."""
+    step_cost = [0.0, 1.0, 1.5, 2.0]
+    for per_key in (0.0, 0.01):
+        for now in (0.0, 0.5, 3.0, 7.25, 100.0):
+            clock, most = 2.0, 20
+            scan = next((k for k in range(most + 1)
+                         if clock + run_cost(3, 4, 4 + k, 1.0, step_cost, per_key) >= now), most)
+            assert steps_to_reach(clock, now, 3, 4, most, 1.0, step_cost, per_key) == scan

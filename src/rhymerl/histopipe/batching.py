@@ -62,6 +62,21 @@ def run_cost(n: int, first: float, last: float, key_base: float, step_cost: Sequ
     return cost
 
 
+
+def steps_to_reach(clock: float, now: float, n: int, first: float, most: int, key_base: float,
+                   step_cost: Sequence[float], per_key: float) -> int:
+    """The fewest whole decode steps from step `first` (at most `most`) that take a worker at `clock` to `now`
+    or past it (`run_cost`): where its next step boundary is (a migration waits for it). Costs grow with the
+    steps, so a binary search."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if clock + run_cost(n, first, first + mid, key_base, step_cost, per_key) >= now:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
 def reprefill_cost(cost: Cost, step_cost: Sequence[float], slots: int, tokens: float) -> float:
     """Seconds to re-prefill `tokens` generated tokens (a migrated or deferred request, the prompt left out):
     each at a full decode batch's per-token cost (a prefill is at least as efficient), plus the causal

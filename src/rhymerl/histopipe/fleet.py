@@ -44,7 +44,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost, steps_to_reach
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.rebalance import donors, moves, probe_order, remaining_work
@@ -200,14 +200,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         wk = workers[w]
         if not wk.running or wk.clock >= now:
             return
-        n, lo, hi = len(wk.running), 0, int(wk.running[0][0] - wk.step)
-        while lo < hi:  # the fewest whole steps that reach `now`
-            mid = (lo + hi) // 2
-            if wk.clock + run_cost(n, wk.step, wk.step + mid, wk.key_base, step_cost, per_key) >= now:
-                hi = mid
-            else:
-                lo = mid + 1
-        advance(w, wk.step + lo)
+        advance(w, wk.step + steps_to_reach(wk.clock, now, len(wk.running), wk.step,
+                                            int(wk.running[0][0] - wk.step), wk.key_base, step_cost, per_key))
         wk.version += 1  # its queued event was priced from before: price the rest again
         schedule(w)
 
