@@ -16,8 +16,10 @@
 #                                 it into the model cache, runs the tests and the benches, prints the goals.
 #
 # Each stage runs under its own time limit (GPU_CHECK_*_S below: 435 s in all, with ~30 s to convert the
-# model, under 8 minutes) and a stage that fails or runs out of time leaves its goals "not measured": the
-# summary still comes, with every stage's exit status. Outputs (8 files) stay in $OUT (the device tool's
+# model, under 8 minutes), cut further where GPU_CHECK_BUDGET_S (the device call's own limit) would not
+# leave 20 s for the summary; a stage that fails or runs out of time leaves its goals "not measured" (a
+# `bench spec` cut short still gives the temperatures it finished): the summary still comes, with every
+# stage's exit status. Outputs (8 files) stay in $OUT (the device tool's
 # folder) or .gpucarry/out. GPU_CHECK_DEVICE=cpu and GPU_CHECK_ENGINE_MODEL=smollm2-135m run the same
 # plumbing on a CPU (with short limits the benches end early: their goals are then "not measured").
 set -uo pipefail
@@ -83,8 +85,16 @@ DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 EXITS=""
 started=$(date +%s)
 log() { echo "[gpu_check $(( $(date +%s) - started ))s] $*" >&2; }
+BUDGET="${GPU_CHECK_BUDGET_S:-}"  # the seconds this whole call may take (the device call's limit), if set
 stage() {  # stage NAME SECONDS CMD...: output to $OUTDIR/NAME.out, never fatal
   local name=$1 limit=$2; shift 2
+  if [ -n "$BUDGET" ]; then  # leave 20 s of the call for the summary, whatever the stages' own limits
+    local left=$(( BUDGET - ($(date +%s) - started) - 20 ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 5 ]; then
+      EXITS="${EXITS:+$EXITS,}$name=skipped"; log "$name: skipped (GPU_CHECK_BUDGET_S spent)"; return
+    fi
+  fi
   log "$name (at most ${limit}s): $*"
   timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUTDIR/$name.out" 2>"$OUTDIR/$name.err"
   local rc=$?
@@ -116,4 +126,4 @@ stage spec "${GPU_CHECK_SPEC_S:-140}" "$PY" -m rhymerl.cli bench spec --device "
   --temperatures 0.3,0.6,1.0 --num-prompts 8 --repeats 2 --max-tokens 192 --identity-prompts 4 --identity-max-tokens 48
 log "done; the goals:"
 "$PY" -m rhymerl.bench.goals --engine "$OUTDIR/engine_qwen.out" --engine "$OUTDIR/engine_smol.out" \
-  --spec "$OUTDIR/spec.out" --tests "$OUTDIR/tests.out" --exits "$EXITS"
+  --spec "$OUTDIR/spec.out" --spec-progress "$OUTDIR/spec.err" --tests "$OUTDIR/tests.out" --exits "$EXITS"

@@ -120,3 +120,40 @@ def test_pytest_counts_reads_the_closing_line():
     assert goals.pytest_counts("== 2 failed, 9 passed, 1 skipped, 1 error in 3s ==") == \
         {"passed": 9, "failed": 2, "skipped": 1, "error": 1}
     assert goals.pytest_counts("no tests ran") == {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+
+
+def test_a_spec_run_cut_short_still_gives_the_temperatures_it_finished(tmp_path, capsys):
+    """`bench spec` writes its finished rows to stderr after each temperature (`goals.PARTIAL`); the summary
+    reads the last such line when the run was cut before its JSON line."""
+    rows = {"repeats": 2, "partial": True, "gpu": "NVIDIA H200", "temperatures": {"0.3": SPEC["temperatures"]["0.3"]}}
+    (tmp_path / "spec.out").write_text("")  # cut before the table
+    (tmp_path / "spec.err").write_text("[bench spec] stage 6/29 ...\n" + goals.PARTIAL + json.dumps({"temperatures": {}})
+                                       + "\n" + goals.PARTIAL + json.dumps(rows) + "\n[bench spec] stage 22/29 ...\n")
+    assert goals.main(["--spec", str(tmp_path / "spec.out"), "--spec-progress", str(tmp_path / "spec.err")]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    by_name = {g["name"]: g for g in last["goals"]}
+    assert by_name["HistoSpec T=0.3 full batch: speed-up"]["measured"] == 2.1
+    assert by_name["HistoSpec never slower: lowest paired speed-up, T=0.3/0.6/1.0"]["met"] is None  # 0.6, 1.0 not run
+    assert last["device"] == "NVIDIA H200"
+    assert goals.partial_rows("no such line") is None
+
+
+def test_pytest_counts_reads_a_run_where_every_test_skipped():
+    assert goals.pytest_counts("sssss\n13 skipped in 3.98s\n")["skipped"] == 13
+
+
+def test_the_script_keeps_its_summary_inside_the_call_budget(tmp_path):
+    """GPU_CHECK_BUDGET_S cuts the stages so that the summary still prints inside the device call: with no
+    time left for any stage, each is skipped and the goals table and JSON line come all the same."""
+    cache = tmp_path / "cache"
+    (cache / "models" / "smollm2-135m").mkdir(parents=True)
+    (cache / "models" / "smollm2-135m" / ".complete").touch()  # no conversion
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "RHYMERL_CACHE": str(cache),
+           "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_BUDGET_S": "21"}
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    last = json.loads(run.stdout.strip().splitlines()[-1])
+    assert last["exits"] == {"tests": "skipped", "engine_qwen": "skipped", "engine_smol": "skipped",
+                             "spec": "skipped"}
+    assert last["not_measured"] == last["of"] == 7

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+PARTIAL = "[bench spec] rows so far: "  # the prefix of `bench spec`'s stderr line holding its finished rows
 ENGINE_MODEL = "qwen2.5-1.5b-random"  # the engine goals' model
 HF_MODES = ("eager", "static", "compiled")
 
@@ -42,9 +43,21 @@ def last_json(text: str) -> dict | None:
     return None
 
 
+def partial_rows(text: str) -> dict | None:
+    """The last "rows so far" line of `bench spec`'s stderr (`spec_bench.PARTIAL`): the temperatures it
+    finished, for a run cut short before its JSON line. None where there is none."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith(PARTIAL):
+            try:
+                return json.loads(line[len(PARTIAL):])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
 def pytest_counts(text: str) -> dict:
     """passed / failed / skipped / error counts from pytest's closing line (zeros where absent)."""
-    lines = [l for l in text.strip().splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    lines = [l for l in text.strip().splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", l)]
     counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1] if lines else ""):
         counts["error" if word.startswith("error") else word] = int(n)
@@ -130,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rhymerl.bench.goals", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", type=Path, action="append", default=[], help="a `bench engine` output")
     p.add_argument("--spec", type=Path, help="a `bench spec` output")
+    p.add_argument("--spec-progress", type=Path, help="its stderr: the temperatures it finished, when it was cut short")
     p.add_argument("--tests", type=Path, help="pytest's output")
     p.add_argument("--exits", default="", help="NAME=STATUS,...: each stage's exit status")
     args = p.parse_args(argv)
@@ -140,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = [j for j in (last_json(read(f)) for f in args.engine) if j]
     exits = dict(item.split("=", 1) for item in args.exits.split(",") if "=" in item)
     exits = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in exits.items()}
-    result = summary(engines, last_json(read(args.spec)), pytest_counts(read(args.tests)) if args.tests else None,
+    spec = last_json(read(args.spec)) or partial_rows(read(args.spec_progress))
+    result = summary(engines, spec, pytest_counts(read(args.tests)) if args.tests else None,
                      exits)
     print_table(result)
     print(json.dumps(result))

@@ -22,6 +22,7 @@ history carries the run's rewards, so `reward_aware=True` (`--reward-aware`) mea
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rhymerl.bench.console import device_fields, table_console
+from rhymerl.bench.goals import PARTIAL
 from rhymerl.bench.graph_capture import GraphCaptures
 from rhymerl.bench.progress import Progress
 from rhymerl.bench.spec_engines import SpecEngines
@@ -284,6 +286,9 @@ def run(cfg: SpecBenchConfig) -> dict:
         print(f"[bench spec] T={temp}: plain {row['plain_tok_s']} tok/s, HistoSpec {row['spec_tok_s']} tok/s "
               f"({row['speedup']}x), tail {row['tail_speedup']}x, identity fp32 {row.get('identity_rate', '-')} "
               f"({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
+        # and the rows so far as JSON, for a run cut short (`rhymerl.bench.goals` reads the last such line)
+        print(PARTIAL + json.dumps({**device_fields(bench.device), "repeats": cfg.repeats, "partial": True,
+                                    "temperatures": results}), file=sys.stderr, flush=True)
     bench.progress.done()
     data = cfg.data
     return {"model": bench.model_name, "dtype": bench.dtype, **device_fields(bench.device),
