@@ -8,7 +8,8 @@ from rhymerl.histopipe.batching import ContextCost
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histopipe.rebalance import donors, moves, probe_order, remaining_work
+from rhymerl.histopipe.early_warning import probe_order
+from rhymerl.histopipe.rebalance import donors, moves, remaining_work
 
 
 def test_remaining_work_prices_tokens_and_the_keys_still_to_attend():

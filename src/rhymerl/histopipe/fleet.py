@@ -27,9 +27,10 @@ Rules (`migration`):
   from their live censored prediction given the tokens they hold, re-prefill included), each while the move
   shortens the later of the two; it asks again each time it runs dry.
 - "early" (with "remaining": the siblings' early warning): each worker admits one member of each of its
-  groups first (`rebalance.probe_order`), so every group has a running witness early; once a group's member
-  (running, or finished) passes a waiting sibling's predicted length, that sibling is priced at the live
-  prediction past that member's tokens (`predict_past`) and admitted before the worker's other waiting ones.
+  groups first (`early_warning.probe_order`), so every group has a running witness early; once a group's
+  member (running, or finished) passes a waiting sibling's predicted length, that sibling is priced at the live
+  prediction past that member's tokens (`predict_past`) and admitted before the worker's other waiting ones
+  (`early_warning`, shared with the rollout worker).
   A group whose length rank shifted between epochs is then seen, and moved, before its members start late.
 Rules combine with "+" (e.g. "steal+tail").
 
@@ -47,12 +48,13 @@ from collections.abc import Sequence
 from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost, steps_to_reach
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
-from rhymerl.histopipe.rebalance import donors, moves, probe_order, remaining_work
+from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
+from rhymerl.histopipe.rebalance import donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
 DONORS_ASKED = 8  # "remaining": a worker that runs dry asks the 8 latest predicted ends, latest first
 MIGRATIONS = ("half_busiest", "tail", "remaining", "steal", "steal+tail", "remaining+early")
-POOL_MIGRATIONS = MIGRATIONS[:3]  # rollout.migration_rule's choices: the rules the Ray pool runs too
+POOL_MIGRATIONS = MIGRATIONS[:3] + MIGRATIONS[5:]  # rollout.migration_rule's choices: the rules the Ray pool runs too
 
 
 class _Worker:
@@ -138,7 +140,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         if "steal" in rules and not wk.queue and len(wk.running) < slots:
             steal(w)
         if early and wk.queue and len(wk.running) < slots:  # renewed ones first, longest first; the rest as queued
-            wk.queue = deque(sorted(wk.queue, key=lambda r: (0, -renewed[r]) if renew(r) and renewed[r] else (1, 0)))
+            wk.queue = deque(renewed_first(wk.queue, renew))
         while wk.queue and len(wk.running) < slots:  # refill the free slots before the next step
             r = wk.queue.popleft()
             pay = wk.prefill.pop(r, 0.0)
@@ -266,13 +268,15 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                                                                                               done + 1)
         return plen[r]
 
-    def renew(r: int) -> float:  # "early": a waiting request's length, from the most tokens a sibling reached
+    def renew(r: int) -> float:  # "early": a waiting request's renewed length (0: not renewed; early_warning)
         g, i = reqs[r]
-        ev = max([longest_done[g]] + [workers[where[q]].step - workers[where[q]].admitted[q] for q in
-                                      (rid[(g, j)] for j in range(len(lengths[g]))) if q in workers[where[q]].admitted])
+        seen = evidence(longest_done[g], (workers[where[q]].step - workers[where[q]].admitted[q] for q in
+                                          (rid[(g, j)] for j in range(len(lengths[g])))
+                                          if q in workers[where[q]].admitted))
         base = predicted_length(r, workers[where[r]].carried.get(r, 0.0))
-        renewed[r] = (predictor.predict_past(keys[g], ev) if predictor is not None else ev) if ev > base else 0.0
-        return renewed[r] or base
+        renewed[r] = renewed_length(seen, base, (lambda x: predictor.predict_past(keys[g], x))
+                                    if predictor is not None else float)
+        return renewed[r]
 
     renewed = [0.0] * len(reqs)  # "early": a waiting request's renewed length (0: not renewed)
 
@@ -281,7 +285,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         share = step_cost[max(len(wk.running), 1)] / max(len(wk.running), 1)
         rs = [r for _, r in wk.running] + list(wk.queue)
         done = [wk.step - wk.admitted[r] if r in wk.admitted else wk.carried.get(r, 0.0) for r in rs]
-        works = [remaining_work(d, renew(r) if early and r not in wk.admitted else predicted_length(r, d), share,
+        works = [remaining_work(d, (early and r not in wk.admitted and renew(r)) or predicted_length(r, d), share,
                                 per_key) for r, d in zip(rs, done)]
         return rs, works, [reprefill(d) if r in wk.admitted else wk.prefill.get(r, 0.0) for r, d in zip(rs, done)]
 

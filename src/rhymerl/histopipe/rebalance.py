@@ -61,25 +61,18 @@ def moves(works: Sequence[float], prefills: Sequence[float], donor_left: float |
     return taken
 
 
-def probe_order(queue: Sequence[int], groups: Sequence[int]) -> list[int]:
-    """Rule "early"'s admission order: the first queued member of each group (`groups[k]`: queue[k]'s), in
-    the queue's order, then the rest in theirs. Under longest-predicted-first admission a predicted-short
-    group otherwise starts last, and a group that has grown since its history goes unseen until then."""
-    if len(queue) != len(groups):
-        raise ValueError(f"{len(queue)} requests but {len(groups)} groups")
-    seen: set[int] = set()
-    first = [k for k, g in enumerate(groups) if not (g in seen or seen.add(g))]
-    rest = sorted(set(range(len(queue))) - set(first))
-    return [queue[k] for k in first + rest]
-
-
-def pool_moves(requests: Sequence, predictor, slots: int) -> list[int]:
+def pool_moves(requests: Sequence, predictor, slots: int, lengths: Sequence[float] | None = None) -> list:
     """The rule on a rollout worker asked to hand over (`RolloutWorker.hand_over`, rule "remaining") for a
     receiver that has run dry: `requests` its unfinished ones (anything with `prompt_ids` and `output_ids`,
     the tokens it holds), `predictor` the call's live `LengthPredictor`. Priced in tokens, as the pool runs
     short contexts where attention is a small part of a step: a request's remaining work is its predicted
-    tokens left (`predict_past`), its re-prefill its held tokens at a full batch's share (1 / `slots` of a
-    decode step each, `batching.reprefill_cost`'s token term). The requests to move, in `moves`' order."""
+    tokens left (`predict_past`, or `lengths[k]` when given and non-zero: the early warning's renewed length,
+    `early_warning`), its re-prefill its held tokens at a full batch's share (1 / `slots` of a decode step
+    each, `batching.reprefill_cost`'s token term). The requests to move, in `moves`' order."""
     done = [len(q.output_ids) for q in requests]
-    works = [remaining_work(d, predictor.predict_past(q.prompt_ids, d), 1.0) for q, d in zip(requests, done)]
+    given = list(lengths) if lengths is not None else [0.0] * len(requests)
+    if len(given) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(given)} lengths")
+    works = [remaining_work(d, n or predictor.predict_past(q.prompt_ids, d), 1.0)
+             for q, d, n in zip(requests, done, given)]
     return [requests[i] for i in moves(works, [d / slots for d in done])]
