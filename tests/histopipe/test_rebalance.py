@@ -8,7 +8,7 @@ from rhymerl.histopipe.batching import ContextCost
 from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histopipe.early_warning import probe_order
+from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
 from rhymerl.histopipe.rebalance import donors, moves, remaining_work
 
 
@@ -92,6 +92,30 @@ def test_probe_order_puts_one_member_of_each_group_first():
     assert probe_order([], []) == []
     with pytest.raises(ValueError, match="groups"):
         probe_order([1, 2], [0])
+
+
+def test_evidence_is_the_most_tokens_a_sibling_reached_running_or_finished():
+    assert evidence(0, []) == 0.0
+    assert evidence(30, [12, 45, 7]) == 45.0
+    assert evidence(60, [12, 45]) == 60.0
+
+
+def test_a_waiting_request_is_renewed_only_once_a_sibling_passed_its_prediction():
+    past = lambda seen: seen * 2 + 1  # noqa: E731  (a stand-in for predict_past)
+    assert renewed_length(40, 50, past) == 0.0  # not passed: its own prediction stands
+    assert renewed_length(50, 50, past) == 0.0  # reached, not passed
+    assert renewed_length(51, 50, past) == 103.0
+
+
+def test_renewed_first_admits_the_renewed_longest_first_and_keeps_the_rest_in_order():
+    renewed = {"a": 0.0, "b": 80.0, "c": 0.0, "d": 120.0, "e": 80.0}
+    assert renewed_first("abcde", renewed.get) == ["d", "b", "e", "a", "c"]
+    assert renewed_first("ac", renewed.get) == ["a", "c"]
+    assert renewed_first([], renewed.get) == []
+
+
+def test_the_pool_runs_the_early_warning():
+    assert "remaining+early" in POOL_MIGRATIONS
 
 
 def test_early_admits_a_waiting_sibling_once_its_group_ran_past_its_prediction():

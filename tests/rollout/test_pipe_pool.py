@@ -176,7 +176,49 @@ def test_the_remaining_rule_moves_work_to_the_dry_worker_and_changes_no_token(po
     prompts = random_prompts(6, seed=34)
     moved, _ = _migrated_call(pool, policy, monkeypatch, "remaining", prompts,
                               [[[5] * (1 + 6 * i)] * 4 for i in range(len(prompts))], "r")
-    assert all(w.worker == 0 for w in moved.workers[2:])  # the moved requests' shares ran on the dry worker
+    # the first moved share ran on the dry worker (later ones may go back: worker 1, once done, asks worker 0)
+    assert moved.workers[2].worker == 0
+
+
+def _first_admitted(stats) -> list[str]:
+    """The prompts (`p<i>` of the request ids) of the requests a worker's share admitted at its first step."""
+    first = min(s.start for s in stats.spans)
+    return [str(s.request_id).split("-")[1] for s in stats.spans if s.start == first]
+
+
+def test_the_early_warning_admits_one_of_each_group_first_and_changes_no_token(policy):
+    """Rule "remaining+early" on one worker in process (`RolloutWorker.rollout(early=True)`,
+    rollout/early_queue.py): the worker holds its requests back and admits one member of each group first
+    (FIFO admits group 0 whole), then the rest as slots free, some of them renewed ahead of their turn by
+    siblings that outgrew the history (1-token answers recorded); every response is the plain rollout's."""
+    prompts = random_prompts(5, seed=35)
+    store = HistoryStore()
+    for p in prompts:
+        store.record_rollout(p, [[5]] * 4)
+    gs = groups(prompts, 4, "e")
+    runs = {}
+    for early in (False, True):
+        worker = RolloutWorker(policy, None, SPEC, cost_model=COST)
+        outputs, stats = worker.rollout(gs, PARAMS, store.export(prompts), 0, early=early)
+        runs[early] = ([(o.request_id, o.token_ids) for o in outputs], stats, worker)
+    assert runs[True][0] == runs[False][0]
+    assert set(_first_admitted(runs[False][1])) == {"p0"}  # FIFO: the first group fills the 4 slots
+    first = _first_admitted(runs[True][1])
+    assert len(first) == 4 and len(set(first)) == 4  # one member of each of 4 groups
+    assert runs[True][2]._early.renewals > 0  # waiting siblings renewed and admitted ahead
+
+
+def test_the_remaining_rule_with_the_early_warning_moves_work_and_changes_no_token(pool, policy, monkeypatch):
+    """Rule "remaining+early" in the Ray pool: set up as the "remaining" test (worker 0 one short request,
+    worker 1 the other 23 on 4 slots). Worker 1 admits one member of each group first (the call tells it:
+    `RayCall.send`), and when worker 0 runs dry worker 1 hands over requests, held ones included; each response
+    comes back once with the tokens of the unmigrated call and of the in-process pool."""
+    prompts = random_prompts(6, seed=34)
+    moved, _ = _migrated_call(pool, policy, monkeypatch, "remaining+early", prompts,
+                              [[[5] * (1 + 6 * i)] * 4 for i in range(len(prompts))], "q")
+    assert moved.workers[2].worker == 0  # the first moved share ran on the dry worker
+    first = _first_admitted(moved.workers[1])
+    assert len(first) > 1 and len(set(first)) == len(first)  # FIFO would admit group 0's siblings together
 
 
 def test_a_worker_predicts_from_the_siblings_finished_so_far(policy):

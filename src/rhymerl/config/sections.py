@@ -177,7 +177,9 @@ class RolloutSection(_Section):
                                "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
                                "running request at a time, in its group's last 10% still unfinished and grown past "
                                "1.2x its group's predicted longest member; remaining = from the worker with the most "
-                               "predicted work left, its requests with the most left, while moving pays. Same tokens",
+                               "predicted work left, its requests with the most left, while moving pays; "
+                               "remaining+early = remaining, each worker admitting one request of every group first "
+                               "and waiting ones whose siblings outgrew their prediction next. Same tokens",
                                POOL_MIGRATIONS)
     tier2: bool = _opt(False, "schedule=histopipe: a group predicted long enough to hold the step back may be "
                        "split over several workers (HistoPipe's tier 2; siblings on one worker still draft from "

@@ -112,8 +112,9 @@ class WorkerActor:
 
     def rollout(self, groups: list[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int, step: int | None = None,
-                continuations: list[Continuation] = ()) -> tuple[list[RequestOutput], WorkerStats]:
-        return self._on_compute(self.worker.rollout, groups, params, history, weights_version, step, continuations)
+                continuations: list[Continuation] = (), early: bool = False) -> tuple[list[RequestOutput], WorkerStats]:
+        return self._on_compute(lambda: self.worker.rollout(groups, params, history, weights_version, step,
+                                                            continuations, early=early))
 
     @ray.method(concurrency_group="stream", num_returns=2)
     def stream_rollout(self, seq: int, weights: dict[str, np.ndarray] | None, version: int,

@@ -63,8 +63,9 @@ class RayCall:
         deadline starts after that one's."""
         groups, moved = self.shares[k]
         pool = self.pool
+        early = pool.migration and pool.migration_rule == "remaining+early"  # the worker admits (early_queue)
         reply = pool.actors[w].rollout.remote(groups, self.params, self.slices[k], pool.weights_version, self.step,
-                                              moved)
+                                              moved, early)
         after = max([time.monotonic()] + [s.deadline for s in self.pending.values() if s.worker == w])
         self.pending[k] = _Sent(w, reply, after + pool.timeout_s if pool.timeout_s else math.inf)
 
@@ -114,7 +115,7 @@ class RayCall:
 
     def _migrate(self, idle: int) -> None:
         """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
-        (most pending requests; under rule "remaining" the most predicted tokens left) hands over some of its unfinished requests (`RayPool.migration_rule`), sent to
+        (most pending requests; under rules "remaining" and "remaining+early" the most predicted tokens left) hands over some of its unfinished requests (`RayPool.migration_rule`), sent to
         `idle` as a new share: half_busiest's at once; the tail rule's when the donor answers (`_adopt`)."""
         pool = self.pool
         if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
@@ -131,7 +132,7 @@ class RayCall:
         if not load:
             return
         donor = max(sorted(load), key=load.__getitem__)
-        if pool.migration_rule == "remaining":  # the latest predicted end (histopipe/rebalance.py)
+        if pool.migration_rule.startswith("remaining"):  # the latest predicted end (histopipe/rebalance.py)
             left = self._tokens_left(load)
             donor = next(iter(donors([left.get(w) for w in range(max(*left, idle) + 1)], idle)), donor)
         if tail:

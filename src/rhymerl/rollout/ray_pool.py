@@ -36,7 +36,11 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
   busiest worker's unfinished requests (waiting ones first, then those furthest past their prediction).
   `tail` (the paper's rule, `histopipe.fleet`): one running request in its group's tail grown past 1.2x its
   group's predicted longest member, asked of the busiest worker and taken at the first boundary where one
-  qualifies.
+  qualifies. `remaining` (`histopipe.rebalance`): from the worker with the most predicted tokens left, its
+  requests with the most left while the move pays. `remaining+early`: that, with the siblings' early warning
+  (`histopipe.early_warning`): each worker holds its share back from its engine and admits one member of each
+  group first, then waiting siblings whose running or finished siblings passed their prediction, renewed
+  (`rollout/early_queue.py`); the call tells its workers so (`RayCall.send`).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ from rhymerl.rollout.ray_actor import WorkerActor, to_store, worker_resources
 from rhymerl.rollout.ray_call import RayCall
 from rhymerl.errors import UserError
 from rhymerl.rollout.types import RolloutGroup, RolloutResult, WorkersFailed, WorkerStats
-from rhymerl.rollout.worker import HANDOVER_RULES, WorkerConfig
+from rhymerl.rollout.handover import HANDOVER_RULES
+from rhymerl.rollout.worker import WorkerConfig
 
 
 def connect(address: str = "") -> None:

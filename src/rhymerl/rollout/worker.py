@@ -16,8 +16,7 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput, Status
-from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold
-from rhymerl.histopipe.fleet import POOL_MIGRATIONS
+from rhymerl.histopipe.deferral import GROW, TAIL_SHARE
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histopipe.rebalance import pool_moves
@@ -26,6 +25,8 @@ from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.deferral import TailDeferral, carried
+from rhymerl.rollout.early_queue import EarlyQueue
+from rhymerl.rollout.handover import HandoverRequest, tail_picks
 from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
 
 
@@ -56,21 +57,6 @@ class WorkerConfig:
             raise ValueError("; ".join(errors))
 
 
-HANDOVER_RULES = POOL_MIGRATIONS  # what `RolloutWorker.hand_over` takes (see there)
-
-
-class _HandoverRequest:
-    """One `RolloutWorker.hand_over` call waiting for the generating thread's next step boundary (with
-    rule "tail": for the first boundary where a request qualifies)."""
-
-    def __init__(self, n: int | None, rule: str, tail_share: float, grow: float):
-        if rule not in HANDOVER_RULES:
-            raise ValueError(f"hand_over rule must be one of {HANDOVER_RULES}, got {rule!r}")
-        self.n, self.rule, self.tail_share, self.grow = n, rule, tail_share, grow
-        self.taken: list[Continuation] = []
-        self.done = threading.Event()
-
-
 class RolloutWorker:
     """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
     (copied, in `rollout.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
@@ -93,7 +79,7 @@ class RolloutWorker:
         # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
         self._handover_lock = threading.Lock()
-        self._handover: _HandoverRequest | None = None
+        self._handover: HandoverRequest | None = None
         self._generating = False
         # The running call's length predictor, built on first use (the admission order, a hand-over) from the
         # call's prompts: once a call at most, and never for a call that needs none (fifo, no hand-over).
@@ -108,6 +94,7 @@ class RolloutWorker:
         self._thresholds: dict[tuple, float] = {}  # the tail rule's threshold per prompt, for the running call
         self._prior: dict = {}  # request id -> the token versions a continuation brought, for the running call
         self._deferral: TailDeferral | None = None  # the running call's (rollout.defer_tail)
+        self._early: EarlyQueue | None = None  # the running call's held requests (rule remaining+early)
         self._step_wall = 0.0  # time.time() when the running call's current engine step started
         self._spans: dict = {}  # request id -> [start, end] (time.time()) in the running call
 
@@ -153,6 +140,8 @@ class RolloutWorker:
             self._finished.append((event.output.prompt_ids, len(event.output.token_ids)))
             if self._predictor is not None:
                 self._predictor.observe_finished(event.output.prompt_ids, len(event.output.token_ids))
+        if event.output is not None and self._early is not None:
+            self._early.finished(event.output, self.engine)
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         """Copy the trainer's weights (Decoder names, LoRA merged) into this worker's model, casting to its
@@ -178,7 +167,8 @@ class RolloutWorker:
     def rollout(self, groups: Sequence[RolloutGroup], params: SamplingParams, history: dict,
                 weights_version: int, step: int | None = None,
                 continuations: Sequence[Continuation] = (), carry: Sequence[Continuation] = (),
-                defer: bool = False, max_staleness: int = 1) -> tuple[list[RequestOutput], WorkerStats]:
+                defer: bool = False, max_staleness: int = 1,
+                early: bool = False) -> tuple[list[RequestOutput], WorkerStats]:
         """Every request of `groups` to completion, after bringing the history replica up to date with
         `history` (a `HistoryStore.export` slice). Refuses weights of another version than `weights_version`.
         `step`: the training step the call rolls out (from 1; None for validation), for the admission order.
@@ -186,7 +176,8 @@ class RolloutWorker:
         outputs come after the groups'. A request this worker hands over meanwhile has no output here.
         `rollout.defer_tail` (rollout/deferral.py; `step` is then a training step's): `carry`, what this worker's
         previous training share deferred, runs first (continued, or from scratch past `max_staleness`; its
-        outputs come last); with `defer`, the share's tail requests are stopped into `stats.deferred`."""
+        outputs come last); with `defer`, the share's tail requests are stopped into `stats.deferred`.
+        `early`: the siblings' early warning admits the requests (rule remaining+early, rollout/early_queue.py)."""
         if weights_version != self.weights_version:
             raise StaleWeightsError(f"worker {self.worker_id} holds weights version {self.weights_version}, "
                                     f"the rollout asks for version {weights_version}")
@@ -203,6 +194,10 @@ class RolloutWorker:
         prompts = [c.prompt_ids for c in rerun] + [g.prompt_ids for g in order for _ in g.request_ids]
         ids = [c.request_id for c in rerun] + [rid for g in order for rid in g.request_ids]
         continuations = list(keep) + list(continuations)  # adopted before the prompts (Engine.generate)
+        self._early = EarlyQueue(prompts, ids, params, self.config.rollout.num_slots,
+                                 self._live_predictor) if early else None
+        if self._early is not None:  # the rest enter the engine as its slots free (`_observe`, `_between_steps`)
+            prompts, ids = self._early.start(len(continuations))
         self._deferral = TailDeferral(groups, self._predict_longest) if defer else None
         # Each request's span: from the start of the step that admitted it to the end of its last (`_observe`,
         # `_between_steps`); one that never ran (rejected) from wall0 by the engine's own times.
@@ -211,6 +206,10 @@ class RolloutWorker:
         # the versions of the tokens a continuation brings (sampled before it came here); its new ones are ours
         self._prior = {c.request_id: self._known_versions(c) for c in continuations}
         by_id = {o.request_id: o for o in self._generate(prompts, params, ids, continuations)}
+        while self._early is not None and self._early.held:  # the engine ran dry first (its requests rejected)
+            more, more_ids = self._early.start(0)
+            by_id.update({o.request_id: o for o in self._generate(more, params, more_ids, [])})
+        by_id.update(self._early.outputs if self._early is not None else {})
         given = ([rid for g in groups for rid in g.request_ids] + [c.request_id for c in continuations]
                  + [c.request_id for c in rerun])
         # back in the order given; what was handed over (hand_over) is the adopting worker's to return
@@ -262,9 +261,11 @@ class RolloutWorker:
         past (1 + `grow`) x the group's predicted longest member (its history's, `predict_group`), furthest
         past first, and only while at least two run (a request alone gains nothing by moving); the request
         waits for the first step boundary where one qualifies (default n 1).
+        rule "remaining" (`histopipe.rebalance.pool_moves`): the requests with the most predicted tokens left
+        while the move pays; "remaining+early" also the requests the call holds back (`EarlyQueue.moves`).
         [] when no rollout runs (it ended meanwhile) or within `timeout` seconds (None: no limit) nothing
         was taken."""
-        request = _HandoverRequest(n, rule, tail_share, grow)
+        request = HandoverRequest(n, rule, tail_share, grow)
         with self._handover_lock:
             if not self._generating:
                 return []
@@ -299,6 +300,8 @@ class RolloutWorker:
         waiting for a boundary is served; with `rollout.defer_tail`, the share's tail is stopped."""
         self._step_wall = time.time()
         self._serve_handover()
+        if self._early is not None:  # slots a hand-over freed
+            self._early.feed(self.engine)
         if self._deferral is not None:
             self._deferral.check(self.engine)
 
@@ -310,14 +313,16 @@ class RolloutWorker:
         try:
             unfinished = self.engine.unfinished()  # waiting in queue order, then running
             if request.rule == "tail":
-                picked = self._tail(unfinished, request)[:request.n or 1]
+                picked = tail_picks(unfinished, self._given, self._predict_longest, request)[:request.n or 1]
                 if not picked:  # none qualifies yet: ask again at the next boundary
                     with self._handover_lock:
                         if self._handover is None:
                             self._handover, request = request, None
                     if request is None:
                         return
-            elif request.rule == "remaining":  # histopipe/rebalance.py, the simulator's rule
+            elif request.rule == "remaining+early" and self._early is not None:  # held ones too, renewed
+                picked = self._early.moves(self.engine, self.config.rollout.num_slots)
+            elif request.rule.startswith("remaining"):  # histopipe/rebalance.py, the simulator's rule
                 picked = pool_moves(unfinished, self._live_predictor(), self.config.rollout.num_slots)
             else:
                 n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
@@ -331,20 +336,3 @@ class RolloutWorker:
         finally:
             if request is not None:  # None: put back for the next boundary (rule "tail")
                 request.done.set()
-
-    def _tail(self, unfinished: list, request: _HandoverRequest) -> list:
-        """The running requests the paper's rule would move now, furthest past their threshold first (see
-        `hand_over`)."""
-        running = [q for q in unfinished if q.status != Status.WAITING]
-        if len(running) < 2:
-            return []
-        left = Counter(tuple(q.prompt_ids) for q in unfinished)
-        past = []
-        for q in running:
-            key = tuple(q.prompt_ids)
-            if left[key] <= tail_size(self._given[key], request.tail_share):
-                longest = self._predict_longest(q.prompt_ids, max(self._given[key], 1))
-                over = len(q.output_ids) - threshold(longest, request.grow)
-                if over > 0:
-                    past.append((-over, q.request_id, q))
-        return [q for _, _, q in sorted(past, key=lambda x: x[:1])]
