@@ -17,7 +17,8 @@ randomness: only the timing may change).
 `run_ray`: two Ray workers (`RayPool`) on the same prompts: a first epoch recorded, then every
 schedule of `rollout.schedule` (static, least_loaded, histopipe, with `rollout.tier2` as the bench's
 `--no-tier2` leaves it) and histopipe with each migration rule (`rollout.migration_rule`: half_busiest, the
-paper's tail) on the second epoch's groups, `repeats` rounds in rotating order, the median makespan (the
+paper's tail, and remaining with the siblings' early warning, the rule the simulator puts closest to the
+bound) on the second epoch's groups, `repeats` rounds in rotating order, the median makespan (the
 call's wall time) and the spread of the runs (slowest - fastest), bubble ratio (1 - the workers' busy time /
 (workers x makespan)) and finish gap of each, tokens checked identical across all of them.
 """
@@ -208,7 +209,8 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
 # predicted forwards (`histopipe.pricing`, `RayPool.pricing`); "histopipe_tokens" in tokens, as it did before
 RAY_VARIANTS = (("static", "static", None), ("least_loaded", "least_loaded", None),
                 ("histopipe", "histopipe", None), ("histopipe_tokens", "histopipe", None),
-                ("histopipe+migration", "histopipe", "half_busiest"), ("histopipe+tail", "histopipe", "tail"))
+                ("histopipe+migration", "histopipe", "half_busiest"), ("histopipe+tail", "histopipe", "tail"),
+                ("histopipe+remaining+early", "histopipe", "remaining+early"))
 
 
 def call_figures(result, seconds: float) -> dict:

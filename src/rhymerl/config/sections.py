@@ -173,13 +173,11 @@ class RolloutSection(_Section):
     migration: bool = _opt(False, "backend=ray: a worker that has finished its share takes requests of one still "
                            "running at its next step boundary (re-prefilled; the same tokens); with stream=true, "
                            "from the oldest step still running; off until measured to win")
-    migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half of the "
-                               "busiest worker's unfinished ones (waiting first); tail = the paper's rule: one "
-                               "running request at a time, in its group's last 10% still unfinished and grown past "
-                               "1.2x its group's predicted longest member; remaining = from the worker with the most "
-                               "predicted work left, its requests with the most left, while moving pays; "
-                               "remaining+early = remaining, each worker admitting one request of every group first "
-                               "and waiting ones whose siblings outgrew their prediction next. Same tokens",
+    migration_rule: str = _opt("half_busiest", "migration=true: which requests move. half_busiest = half the "
+                               "busiest worker's unfinished (waiting first); tail = the paper's: one running request "
+                               "at a time, in its group's last 10% unfinished, grown past 1.2x its group's predicted "
+                               "longest; remaining = most predicted work left, from the worker with most, while it "
+                               "pays; remaining+early = that, one per group admitted first, outgrown siblings next",
                                POOL_MIGRATIONS)
     tier2: bool = _opt(False, "schedule=histopipe: a group predicted long enough to hold the step back may be "
                        "split over several workers (HistoPipe's tier 2; siblings on one worker still draft from "

@@ -115,8 +115,9 @@ class RayCall:
 
     def _migrate(self, idle: int) -> None:
         """The step's tail: `idle` has no share left while others run. With migration on, the busiest worker
-        (most pending requests; under rules "remaining" and "remaining+early" the most predicted tokens left) hands over some of its unfinished requests (`RayPool.migration_rule`), sent to
-        `idle` as a new share: half_busiest's at once; the tail rule's when the donor answers (`_adopt`)."""
+        (most pending requests; under rules "remaining" and "remaining+early" the most predicted tokens left)
+        hands over some of its unfinished requests (`RayPool.migration_rule`), sent to `idle` as a new share:
+        half_busiest's and remaining's at once; the tail rule's when the donor answers (`_adopt`)."""
         pool = self.pool
         if not pool.migration or idle not in pool.actors or any(s.worker == idle for s in self.pending.values()):
             return
