@@ -19,7 +19,8 @@ clock plus its requests' remaining work, `rebalance.remaining_work`); the first 
 some move pays hands over, at its next step boundary, its requests with the most remaining work while each move
 shortens the later of the two (`rebalance.moves`, re-prefill included). A request's predicted length given the
 `done` tokens it holds is the mean of its group's predicted lengths above `done` (the group's predictions stand
-for its distribution; none above: done + 1).
+for its distribution; none above: done + 1), or, given a predictor, its live `predict_past` (renewed once the
+request passes it), as on a real worker.
 
 Weight loads (`load_s`), as `WorkerActor.stream_rollout` runs them: a worker holds one weights version (its
 model's parameters, copied in place by `RolloutWorker.load_weights`; no second copy is kept), so a share of a
@@ -83,12 +84,15 @@ class _Worker:
 def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Sequence[Sequence[Sequence[Piece]]], *,
                     slots: int, cost_model: Cost, predicted: Sequence[Sequence[Sequence[float]]] | None = None,
                     migration: str | None = None, train_s: float = 0.0, log: list | None = None,
-                    load_s: float = LOAD_S):
+                    load_s: float = LOAD_S, predictor=None, keys: Sequence[Sequence] | None = None):
     """Run `steps[t]` (step t+1's groups, each its requests' true lengths) in one_step_off with the stream, worker
     w running `assignments[t][w]` (its pieces, admission order) as its share of step t+1; `migration` None or one
     of STREAM_MIGRATIONS (see the module doc); `predicted[t][g]`: group g's predicted request lengths (half_busiest
     reads the longest, remaining each group's lengths; None: the true lengths are not shown, every request is
-    predicted 0); `load_s`: seconds of a weights switch (see the module doc). Returns the run's
+    predicted 0); `load_s`: seconds of a weights switch (see the module doc); `predictor` (a `LengthPredictor`)
+    with `keys[t][g]`, group g of step t's prompt key: remaining prices a request by the predictor's live
+    `predict_past` (as the real worker's `rebalance.pool_moves` does), told each finish (`observe_finished`),
+    instead of its group's predictions. Returns the run's
     timeline (step t's groups after step t-1's), each step's rollout (start, end) and update (start, end), and
     the requests moved (`simulate.simulate_run(migration=...)` wraps them as a `SimulatedRun`). `log`, when
     given, gets each share as it starts: (worker, step index, its requests as (step index, group, index), moved)."""
@@ -100,8 +104,11 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     if load_s < 0:
         raise ValueError(f"load_s must be >= 0, got {load_s}")
+    live = predictor if migration == "remaining" and predictor is not None else None
+    if live is not None and (keys is None or [len(k) for k in keys] != [len(ls) for ls in steps]):
+        raise ValueError("a predictor needs keys: one prompt key per group of each step")
     reqs: list[tuple[int, int]] = []  # request -> (timeline group, index); timeline groups: step by step
-    step_of_req, first_group, length, longest, group_pred = [], [], [], [], []
+    step_of_req, first_group, length, longest, group_pred, key_of = [], [], [], [], [], []
     for t, lengths in enumerate(steps):
         first_group.append(sum(len(s) for s in steps[:t]))
         for g, ls in enumerate(lengths):
@@ -111,8 +118,10 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
                 length.append(max(float(n), 1.0))
                 longest.append(max(predicted[t][g]) if predicted is not None else 0.0)
                 group_pred.append(predicted[t][g] if predicted is not None else ())
+                key_of.append(keys[t][g] if live is not None else None)
     rid = {r: k for k, r in enumerate(reqs)}
     mean_pred = [max(sum(ps) / len(ps), 1.0) if ps else 1.0 for ps in group_pred]  # "remaining", before a token
+    plen = [0.0] * len(reqs)  # "remaining" with a predictor: each request's live prediction, renewed once passed
     workers = [_Worker() for _ in range(num_workers)]
     worker_of = [-1] * sum(len(lengths) for lengths in steps)  # per timeline group: its first piece's worker
     left = [sum(len(ls) for ls in lengths) for lengths in steps]  # unfinished requests per step
@@ -172,6 +181,8 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
             g, i = reqs[r]
             finish[g][i] = wk.clock
             wk.key_base -= wk.admitted.pop(r)
+            if live is not None:
+                live.observe_finished(key_of[r], int(length[r]))
             t = step_of_req[r]
             left[t] -= 1
             if not left[t]:
@@ -213,6 +224,10 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
         schedule(w)
 
     def expected(r: int, done: float) -> float:  # "remaining": r's length given it holds `done` tokens
+        if live is not None:
+            if plen[r] <= done:  # not asked yet, or run past it
+                plen[r] = live.predict_past(key_of[r], done)
+            return plen[r]
         if not done:
             return mean_pred[r]
         above = [p for p in group_pred[r] if p > done]
