@@ -127,3 +127,22 @@ def test_each_rule_moves_requests_and_finishes_each_once_as_simulate_run_reports
     assert moved == run.moved > 0 and updates == run.updates
     assert all(t > 0 for g in timeline.finish for t in g)
     assert sum(map(len, timeline.finish)) == sum(len(g) for ls in steps for g in ls)
+
+
+@pytest.mark.parametrize("rule", ["half_busiest", "remaining"])
+def test_a_donor_that_runs_dry_at_the_hand_over_still_goes_on_to_its_next_share(rule):
+    """A donor whose last requests finish at the boundary the hand-over brings it to (or are all moved) runs dry
+    off its own events: it must still go idle and start its next share (it once stayed stuck: requests of later
+    steps never ran). Small random runs, a second an engine step, each request a group."""
+    for seed in range(300):
+        rng = random.Random(seed)
+        workers = rng.randint(2, 3)
+        steps, plans = [], []
+        for _ in range(3):
+            per = [[rng.randint(1, 12) for _ in range(rng.randint(1, 3))] for _ in range(workers)]
+            steps.append([[n] for ns in per for n in ns])
+            firsts = [sum(map(len, per[:w])) for w in range(workers)]
+            plans.append([[(k + j, (0,)) for j in range(len(ns))] for k, ns in zip(firsts, per)])
+        timeline, *_ = simulate_stream(steps, plans, slots=2, cost_model=UNIT, migration=rule, predicted=steps,
+                                       load_s=0.0)
+        assert all(t > 0 for g in timeline.finish for t in g)

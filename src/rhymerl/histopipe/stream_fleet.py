@@ -169,6 +169,8 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
         if wk.running:
             heapq.heappush(events, (wk.clock + run_cost(len(wk.running), wk.step, wk.running[0][0], wk.key_base,
                                                         step_cost, per_key), w, wk.version))
+        elif wk.step_of is not None and not wk.queue:  # ran dry off its own events (its last requests finished
+            heapq.heappush(events, (wk.clock, w, wk.version))  # at a hand-over's boundary, or moved): idle then
 
     def advance(w: int, to_step: float) -> None:
         wk = workers[w]
