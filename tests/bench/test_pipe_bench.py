@@ -153,7 +153,8 @@ def test_runs_per_mode_and_gantt_charts(trace, cost_file, tmp_path, capsys):
         modes = summary["sim"][w]["modes"]
         assert set(modes) == {"sync", "one_step_off"}
         for mode, by_policy in modes.items():  # one_step_off adds the stream with migration (stream_fleet.py)
-            stream = {"histopipe+half_busiest", "static+half_busiest"} if mode == "one_step_off" else set()
+            stream = {f"{p}+{r}" for p in ("histopipe", "static") for r in ("half_busiest", "remaining")
+                      } if mode == "one_step_off" else set()
             assert set(by_policy) == set(POLICIES) | stream
             assert all(by_policy[p]["moved"] >= 0 for p in stream)
             for r in by_policy.values():
@@ -165,7 +166,8 @@ def test_runs_per_mode_and_gantt_charts(trace, cost_file, tmp_path, capsys):
             assert modes["one_step_off"][policy]["speedup_vs_sync"] > 1.0
     pngs = sorted(p.name for p in out.iterdir())
     assert pngs == sorted([f"gantt_2_{p}_{m}.png" for p in POLICIES for m in ("sync", "one_step_off")]
-                          + [f"gantt_2_{p}+half_busiest_one_step_off.png" for p in ("histopipe", "static")])
+                          + [f"gantt_2_{p}+{r}_one_step_off.png" for p in ("histopipe", "static")
+                             for r in ("half_busiest", "remaining")])
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 

@@ -63,8 +63,10 @@ def test_the_stream_needs_one_step_off_and_migrates_by_its_rules_without_deferra
     with pytest.raises(ConfigError, match=r"rollout\.stream: must be false unless rollout\.mode=one_step_off"):
         load_config(None, ray + ["rollout.stream=true"])
     stream = ray + ["rollout.mode=one_step_off", "rollout.stream=true", "rollout.migration=true"]
-    with pytest.raises(ConfigError, match=r"rollout\.migration_rule: must be one of half_busiest with rollout\.stream"):
+    with pytest.raises(ConfigError,
+                       match=r"rollout\.migration_rule: must be one of half_busiest, remaining with rollout\.stream"):
         load_config(None, stream + ["rollout.migration_rule=tail"])
+    assert load_config(None, stream + ["rollout.migration_rule=remaining"]).rollout.migration_rule == "remaining"
     with pytest.raises(ConfigError, match=r"rollout\.defer_tail: must be false with rollout\.migration=true"):
         load_config(None, stream + ["rollout.defer_tail=true"])
     assert load_config(None, stream).rollout.migration

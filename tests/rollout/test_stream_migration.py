@@ -1,4 +1,4 @@
-"""Migration inside the stream (`rollout.stream` with `rollout.migration`, rule half_busiest; issue 33): on a
+"""Migration inside the stream (`rollout.stream` with `rollout.migration`, rules half_busiest and remaining; issue 33): on a
 real local Ray cluster, 2 workers, a `RayStream` driven as the loop drives it (`rl/streamed_rollout.py`: step
 t+1 submitted before step t is collected, the next weights published after step t is in), against the
 simulator's model of the same thing (`histopipe/stream_fleet.py`) on the same lengths. fp32, keyed draws: the
@@ -36,10 +36,11 @@ def _step(t: int) -> tuple[list[RolloutGroup], list[list[tuple[int, tuple[int, .
     return groups, [[(g, (0,)) for g in range(n0)], [(g, (0,)) for g in range(n0, n0 + n1)]]
 
 
-def _run(policy, model_dir, migration: bool):
+def _run(policy, model_dir, migration: str | None):
     """Steps 1 and 2 on version 0, then (as the loop publishes after step 1's update) step 3 on version 1:
     each step's outputs and the shares each worker ran, in order, as (step, request ids)."""
-    pool = RayPool(policy, None, model_dir, PLAIN, HistoryStore(), num_workers=2, migration=migration)
+    pool = RayPool(policy, None, model_dir, PLAIN, HistoryStore(), num_workers=2, migration=migration is not None,
+                   migration_rule=migration or "half_busiest")
     try:
         stream = RayStream(pool)
         steps = [_step(t) for t in range(3)]
@@ -64,16 +65,20 @@ def _run(policy, model_dir, migration: bool):
 def runs(cluster, tmp_path_factory):
     path = stopping_checkpoint(tmp_path_factory.mktemp("stopping"))
     policy = load_decoder(path)
-    return _run(policy, path, False), _run(policy, path, True)
+    return _run(policy, path, None), _run(policy, path, "half_busiest"), _run(policy, path, "remaining")
 
 
-def test_migration_in_the_stream_changes_no_token_and_records_each_tokens_version(runs):
-    (_, plain, _, none), (_, moved, _, count) = runs
+@pytest.mark.parametrize("rule", [1, 2], ids=["half_busiest", "remaining"])
+def test_migration_in_the_stream_changes_no_token_and_records_each_tokens_version(runs, rule):
+    """Every token is the run without migration's and was sampled by its own step's version, so no token is
+    trained more than max_staleness (1) versions after it: step t trains from version t - 1."""
+    (_, plain, _, none), (_, moved, _, count) = runs[0], runs[rule]
     assert none == 0 and count > 0
-    for p, m, version in zip(plain, moved, (0, 0, 1)):
+    for t, (p, m, version) in enumerate(zip(plain, moved, (0, 0, 1)), start=1):
         assert [(o.request_id, o.token_ids) for o in m.outputs] == [(o.request_id, o.token_ids) for o in p.outputs]
         assert all(o.versions == [version] * len(o.token_ids) for o in m.outputs)
         assert m.weights_version == version
+        assert max((t - 1) - v for o in m.outputs for v in o.versions) <= 1
 
 
 def test_the_simulator_runs_the_streams_shares_in_the_same_order_and_moves_the_same_requests(runs):
@@ -83,7 +88,7 @@ def test_the_simulator_runs_the_streams_shares_in_the_same_order_and_moves_the_s
     The same requests move, up to two (when the ask lands a finish may or may not have happened; the two
     workers' steps cost alike in the model, nearly so on the machine). Past that, migrations go back and forth on
     timing (which worker runs out first) and are not compared."""
-    steps, results, shares, _ = runs[1]
+    steps, results, shares, _ = runs[1]  # half_busiest
     length = {o.request_id: len(o.token_ids) for r in results for o in r.outputs}
     lengths = [[[length[rid] for rid in g.request_ids] for g in groups] for groups, _ in steps]
     log: list = []

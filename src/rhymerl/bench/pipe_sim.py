@@ -179,7 +179,8 @@ def simulate_trace(trace: str | Path, cost_model: CostModel, workers: Sequence[i
                      for p in policies}
             row["modes"] = simulate_modes([(ls, ps) for _, ls, ps, _ in steps], w, slots, cost_model, plans, modes,
                                           train_s, gantt_dir if w <= GANTT_MAX_WORKERS else None, defer_tail,
-                                          max_staleness, migrations)
+                                          max_staleness, migrations,
+                                          live, [k for k, *_ in steps] if steps[0][0] is not None else None)
         out["workers"][str(w)] = rounded(row)
         hp = row.get("histopipe", {})
         log(f"{w} workers x {slots} slots, {row['groups']} groups: "
@@ -255,13 +256,15 @@ def trace_cap(rows: Sequence[dict]) -> int | None:
 
 def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans: dict, modes: Sequence[str],
                    train_s: float, gantt_dir: str | Path | None = None, defer_tail: bool = True,
-                   max_staleness: int = 1, migrations: Sequence[str] = MIGRATIONS) -> dict:
+                   max_staleness: int = 1, migrations: Sequence[str] = MIGRATIONS,
+                   live: LengthPredictor | None = None, keys=None) -> dict:
     """Per mode and policy, the run of `steps` ((lengths, predicted) each) on the policy's `plans` (one per
     step): its figures (see the module doc), and with `gantt_dir` its Gantt chart. With `defer_tail`,
     one_step_off defers each step's tail (`rollout.defer_tail`) under `max_staleness` and counts what it
     deferred and ran again. In one_step_off, `POLICY+RULE` for histopipe and static and each rule of
     `migrations` the stream runs (`stream_fleet.STREAM_MIGRATIONS`): the stream with `rollout.migration`
-    (without deferral), with the requests it `moved`."""
+    (without deferral), with the requests it `moved`; `live` and `keys` (each step's prompt keys): the
+    predictor the stream's rule remaining prices with, its finishes cleared before each run."""
     out: dict = {}
     stream_rules = [r for r in migrations if r in STREAM_MIGRATIONS]
     for mode in [m for m in MODES if m in modes]:  # sync first: one_step_off's speed-up is over it
@@ -273,10 +276,12 @@ def simulate_modes(steps, workers: int, slots: int, cost_model: CostModel, plans
             name = policy if rule is None else f"{policy}+{rule}"
             # one_step_off as the loop runs it with rollout.stream and rollout.defer_tail (or rollout.migration)
             defer = defer_tail and mode == "one_step_off" and rule is None
+            if live is not None:
+                live.clear_observed()
             run = simulate_run([ls for ls, _ in steps], workers, policy, mode=mode, slots=slots,
                                cost_model=cost_model, train_s=train_s, assignments=assignments,
                                predicted=[ps for _, ps in steps], defer_tail=defer, max_staleness=max_staleness,
-                               migration=rule)
+                               migration=rule, predictor=live if keys is not None else None, keys=keys)
             out[mode][name] = {"total_s": run.total, "step_s": run.total / len(steps),
                                "bubble": bubble_ratio(run.timeline, span=run.total)}
             if rule is not None:

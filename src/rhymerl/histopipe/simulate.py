@@ -45,7 +45,7 @@ from rhymerl.histopipe.deferral import continues, defer_on_worker, tail_size, th
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.plan import plan
 from rhymerl.histopipe.predict import LengthPredictor, rank_report, summarise
-from rhymerl.histopipe.stream_fleet import simulate_stream
+from rhymerl.histopipe.stream_fleet import LOAD_S, simulate_stream
 from rhymerl.histopipe.timeline import Timeline
 
 
@@ -248,7 +248,8 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
                  slots: int, cost_model: Cost, predicted: Sequence[Sequence[float]] | None = None,
                  train_s: float = 0.0, assignments: Sequence[Sequence[Sequence[int]]] | None = None,
                  save_every: int = 0, defer_tail: bool = False, max_staleness: int = 1,
-                 migration: str | None = None, **plan_kwargs) -> SimulatedRun:
+                 migration: str | None = None, load_s: float = LOAD_S, predictor=None, keys=None,
+                 **plan_kwargs) -> SimulatedRun:
     """Simulate `steps[t]` (step t+1's groups, each its requests' true lengths) one after another in `mode`
     (MODES; see the module doc), each planned by `policy` from `predicted[t]` (one length per group), the
     update of each step taking `train_s` seconds. `plan_kwargs` go to `plan`. `assignments`: each step's
@@ -260,7 +261,9 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
     lag below), so it keeps its tokens when that is at most `max_staleness`, else it runs again from scratch.
     `migration` (one_step_off, the loop's `rollout.migration` with the stream; `stream_fleet.STREAM_MIGRATIONS`):
     all workers on one clock (`stream_fleet.simulate_stream`), a worker out of work it may start taking requests
-    of the oldest step still running; its run's `moved` counts them."""
+    of the oldest step still running; its run's `moved` counts them, and a share of another weights version than
+    its worker holds first loads it (`load_s` seconds; without migration no load is priced); `predictor`, `keys`:
+    the live predictor rule remaining prices with (`simulate_stream`)."""
     if mode not in _LAG:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if train_s < 0:
@@ -284,7 +287,8 @@ def simulate_run(steps: Sequence[Sequence[Sequence[int]]], num_workers: int, pol
             for ps, ls in zip(predicted, steps)]
         timeline, rollouts, updates, moved = simulate_stream(steps, pieces, slots=slots, cost_model=cost_model,
                                                              predicted=per_request, migration=migration,
-                                                             train_s=train_s)
+                                                             train_s=train_s, load_s=load_s,
+                                                             predictor=predictor, keys=keys)
         return SimulatedRun(timeline, rollouts, updates, moved=moved)
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     timeline = Timeline(busy=[[] for _ in range(num_workers)], finish=[], worker=[],

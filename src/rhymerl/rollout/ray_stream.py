@@ -21,14 +21,18 @@ when it is ready) and runs it first (`rollout/deferral.py`); those requests' out
 their ids missing from the step they were deferred from (`RolloutResult.deferred`). A request deferred by a
 worker that was dropped goes to the first worker's next share.
 
-Migration (`rollout.migration`, rule `half_busiest`; docs/design.md, section 4; simulated by
-`histopipe/stream_fleet.py`): `collect` watches the replies of every step in flight. A worker whose shares are
-all answered has run out of work it may start (its next share waits for weights not yet published): it takes
-half of the unfinished requests of the busiest worker of the oldest step still running (the most requests in
-that step's pending share it runs now), handed over at that worker's next step boundary (`RolloutWorker.hand_over`)
-and sent to it as a share of the step they belong to, on that step's weights (the worker loads them if it holds
-another), the moved requests adopted first and never re-run (`RolloutWorker.rollout`'s `carry`: their tokens
-are all of their own step's version). Keyed draws: the same tokens as without migration; each token's version is
+Migration (`rollout.migration`, `rollout.migration_rule` half_busiest or remaining; docs/design.md, section 4;
+simulated by `histopipe/stream_fleet.py`): `collect` watches the replies of every step in flight. A worker whose
+shares are all answered has run out of work it may start (its next share waits for weights not yet published):
+it takes requests of the workers running the oldest step still running (those whose oldest pending share is of
+that step). half_busiest: half of the unfinished requests of the one with the most in that share; remaining: from
+the one whose share has the most predicted tokens left (`_tokens_left`; `rebalance.donors`, the next of up to
+`fleet.DONORS_ASKED` when no move from it pays), its requests with the most predicted work left while each move
+pays (`rebalance.pool_moves`, on the donor). Handed over at the donor's next step boundary
+(`RolloutWorker.hand_over`) and sent to the idle worker as a share of the step they belong to, on that step's
+weights (it loads them if it holds another: a worker holds one version, so a migrated share of an older step
+costs it a load, and its next own share one more; `stream_fleet` prices them), the moved requests adopted first
+and never re-run (`RolloutWorker.rollout`'s `carry`: their tokens are all of their own step's version). Keyed draws: the same tokens as without migration; each token's version is
 recorded as before. Not with `rollout.defer_tail` (`config/sections.py`).
 
 Faults: a worker whose actor dies is replaced as in `RayPool.rollout` (`RayPool.replace_worker`; the fresh actor
@@ -47,6 +51,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.sequence import Continuation, RequestOutput
+from rhymerl.histopipe.fleet import DONORS_ASKED
+from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.rebalance import donors
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.ray_actor import to_store
 from rhymerl.rollout.ray_pool import RayPool
@@ -180,9 +187,8 @@ class RayStream:
                 self._send(s, k, worker if restarted else self._least_busy())
 
     def _migrate(self, idle: int) -> None:
-        """`idle` has no share pending: half of the unfinished requests of the busiest worker (most requests in
-        its pending share) of the oldest step still running, sent to `idle` as a share of the step each belongs
-        to (see the module doc)."""
+        """`idle` has no share pending: requests of the oldest step still running, by `rollout.migration_rule`,
+        sent to `idle` as a share of the step each belongs to (see the module doc)."""
         if idle not in self.pool.actors or any(w == idle for t in self._in_flight for w, *_ in t.pending.values()):
             return
         running = next((t for t in self._in_flight if t.pending), None)
@@ -192,17 +198,29 @@ class RayStream:
         for t in self._in_flight:
             for w, *_ in t.pending.values():
                 first.setdefault(w, t)
-        load = {w: len(running.moved.get(k, [])) + sum(len(g.request_ids) for g in running.shares[k][0])
-                for k, (w, *_) in running.pending.items() if first[w] is running}
+        load: dict[int, int] = {}  # worker -> its requests in the pending shares of `running` it owes
+        for k, (w, *_) in running.pending.items():
+            if first[w] is running:
+                load[w] = load.get(w, 0) + len(running.moved.get(k, [])) + sum(len(g.request_ids)
+                                                                              for g in running.shares[k][0])
         if not load:
             return
-        donor = max(sorted(load), key=load.__getitem__)
-        if load[donor] < 2:
-            return
-        try:
-            moved = ray.get(self.pool.actors[donor].hand_over.remote(), timeout=self.pool.timeout_s)
-        except (RayActorError, GetTimeoutError):
-            return  # the donor's fault is for its share's reply to report
+        rule = self.pool.migration_rule
+        if rule == "remaining":  # latest predicted end first, the next when no move from it pays
+            left = self._tokens_left(running, load)
+            asked = donors([left.get(w) for w in range(max(*left, idle) + 1)], idle)[:DONORS_ASKED]
+        else:
+            asked = [max(sorted(load), key=load.__getitem__)]
+            if load[asked[0]] < 2:
+                return
+        moved = []
+        for donor in asked:
+            try:
+                moved = ray.get(self.pool.actors[donor].hand_over.remote(None, rule), timeout=self.pool.timeout_s)
+            except (RayActorError, GetTimeoutError):
+                continue  # the donor's fault is for its share's reply to report
+            if moved:
+                break
         owner = {rid: t for t in self._in_flight for g in t.groups for rid in g.request_ids}
         for t in self._in_flight:  # the donor may have moved on to its next share: each request to its own step
             mine = [c for c in moved if owner.get(c.request_id) is t]
@@ -211,6 +229,23 @@ class RayStream:
                 t.moved[len(t.shares) - 1] = mine
                 self._send(t, len(t.shares) - 1, idle)
                 self.pool.migrations += len(mine)
+
+    def _tokens_left(self, running: StreamedStep, load: dict[int, int]) -> dict[int, float]:
+        """Per worker of `load`, the predicted tokens its share of `running` has left (rule "remaining"): its
+        groups' predicted lengths from the pool's history, and its moved requests' predicted lengths past what
+        they hold (`LengthPredictor.predict_past`), less that. The driver sees shares, not the workers' progress,
+        as `ray_call.RayCall` (the sync pool's rule)."""
+        shares = [(w, running.shares[k][0], running.moved.get(k, [])) for k, (w, *_) in running.pending.items()
+                  if w in load]
+        prompts = [g.prompt_ids for _, groups, _ in shares for g in groups]
+        prompts += [c.prompt_ids for _, _, moved in shares for c in moved]
+        predictor = LengthPredictor.from_history(self.pool.history, prompts, cap=running.params.max_tokens)
+        left: dict[int, float] = {}
+        for w, groups, moved in shares:
+            left[w] = (left.get(w, 0.0) + sum(predictor.predict(g.prompt_ids) * len(g.request_ids) for g in groups)
+                       + sum(predictor.predict_past(c.prompt_ids, len(c.output_ids)) - len(c.output_ids)
+                             for c in moved))
+        return left
 
     def _least_busy(self) -> int:
         owed = {w: 0 for w in self.pool.workers}
