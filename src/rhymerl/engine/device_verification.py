@@ -64,15 +64,19 @@ def walk(drawn: torch.Tensor, parent: torch.Tensor, token: torch.Tensor, levels:
     """The acceptance rule (`histospec.verify.accept`) over every drawn row at once, in tensor ops alone (no
     read back to the host, shapes fixed by the inputs': what a CUDA graph can hold). drawn, parent, token: [R]
     per row, its drawn token, the row of its parent (a root: itself), its draft token. Returns [R] bool, the
-    rows the walk reaches: a root, or a node whose parent is reached and drew this node's token. `levels`: at
-    least the deepest node's depth (one tree level a round; more rounds change nothing, so a fixed shape's
-    bound, its tokens less one, will do)."""
+    rows the walk reaches: a root, or a node whose parent is reached and drew this node's token, i.e. every
+    node on its path from the root matches. `levels`: at least the deepest node's depth (a fixed shape's
+    bound, its tokens less one, will do). By pointer doubling: after round k a row holds the AND over itself
+    and its 2^k - 1 nearest ancestors (a root matches and is its own parent), so ceil(log2(levels)) rounds of
+    at most three kernels cover every path (7 levels: 3 rounds, where one level a round took 7)."""
     is_root = parent == torch.arange(len(parent), device=parent.device)
-    match = drawn.gather(0, parent) == token  # the parent's draw is this node's token
-    reached = is_root
-    for _ in range(levels):  # ancestors' reach flows down to the leaves
-        reached = is_root | (reached.gather(0, parent) & match)
-    return reached
+    ok = (drawn.gather(0, parent) == token) | is_root  # the parent's draw is this node's token
+    up, rounds = parent, max(levels - 1, 0).bit_length()  # ceil(log2(levels)) for levels >= 1
+    for k in range(rounds):
+        ok = ok & ok.gather(0, up)  # up: each row's 2^k-th ancestor (a root's: itself)
+        if k + 1 < rounds:
+            up = up.gather(0, up)
+    return ok
 
 
 def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int], prefixes: list[int],

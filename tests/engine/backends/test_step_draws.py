@@ -11,7 +11,7 @@ import torch
 from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.backends.op_trace import OpTrace
 from rhymerl.engine.backends.static_step import StaticStep
-from rhymerl.engine.device_verification import StepDraws, read_drawn
+from rhymerl.engine.device_verification import StepDraws, read_drawn, walk
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import SlotInput, _ancestors
@@ -101,6 +101,26 @@ def test_the_in_step_walk_is_the_host_walk_on_random_trees(params):
         assert verified == host_walk(drafts, logits[torch.from_numpy(index)], starts, keys, offsets, params)
         accepted += sum(len(v.path) for v in verified)
     assert accepted > 15  # the trees were walked, not just their roots drawn
+
+
+def test_the_doubling_walk_reaches_what_one_level_a_round_reaches():
+    """`walk` by pointer doubling (ceil(log2(levels)) rounds) against the plain one-level-a-round walk, on
+    random forests up to 31 deep with 2 tokens (long matching paths), at the exact depth and beyond it."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        n = int(torch.randint(1, 64, (1,), generator=gen))
+        parent = torch.tensor([i if i == 0 or bool(torch.rand(1, generator=gen) < 0.1)
+                               else int(torch.randint(max(0, i - 3), i, (1,), generator=gen)) for i in range(n)])
+        drawn, token = (torch.randint(0, 2, (n,), generator=gen) for _ in range(2))
+        is_root = parent == torch.arange(n)
+        depth = torch.zeros(n, dtype=torch.long)
+        for i in range(n):
+            depth[i] = 0 if is_root[i] else depth[parent[i]] + 1
+        match, reached = drawn.gather(0, parent) == token, is_root
+        for _ in range(int(depth.max())):
+            reached = is_root | (reached.gather(0, parent) & match)
+        for levels in (int(depth.max()), int(depth.max()) + 5):
+            assert torch.equal(walk(drawn, parent, token, levels), reached), (trial, levels)
 
 
 # ops that read a device value on the host or whose output shape depends on the data (a capture forbids both)
