@@ -10,11 +10,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rhymerl.config import TrainSection
 from rhymerl.engine.backends import CudaBackend
+from rhymerl.engine.device_verification import StepDraws
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample
-from rhymerl.engine.sampling_params import SamplingParams, draw_key, request_key
+from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
 from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
 from rhymerl.rl.trainer import PolicyTrainer
@@ -116,6 +117,38 @@ def test_graph_replays_give_the_eager_static_steps_logits(dtype):
     graphed, eager = (r.run(inputs, float_logits=False) for r in runners)
     torch.testing.assert_close(graphed, eager, **tol)
     assert backend.replays == 2
+
+
+def test_in_step_draws_replay_what_the_static_step_draws():
+    """Forward, draws and acceptance walk in one graph (`CudaBackend.forward_drawn`), fp32: the replays draw
+    the tokens and reach the tree nodes that the same steps run eagerly ("static") do, with the same
+    log-probs; one graph serves two temperatures (a buffer), greedy takes a graph of its own."""
+    model = peaky(tiny_decoder("llama-d64")).to("cuda")
+    c = model.cfg
+    prompts = random_prompts(3, lo=6, hi=20, seed=4)
+    slots = (0, 1, 3)
+    runners = []
+    for mode in ("graphs", "static"):
+        cache = KVCache(c.num_layers, 4, 96, c.num_kv_heads, c.head_dim, torch.float32, "cuda", 8)
+        runner = ModelRunner(model, cache)
+        runner.backend = CudaBackend(model, cache, mode)
+        runner.run([SlotInput(s, 0, p[:-1], logits_from=len(p) - 2) for s, p in zip(slots, prompts)])  # prefill
+        runners.append(runner)
+    steps = [[SlotInput(s, len(p) - 1, p[-1:]) for s, p in zip(slots, prompts)],  # decode
+             [SlotInput(0, len(prompts[0]), [5, 6, 7, 8], [-1, 0, 0, 1]),  # verification: trees and a plain row
+              SlotInput(1, len(prompts[1]), [9]), SlotInput(3, len(prompts[2]), [4, 3], [-1, 0])]]
+    backend, captured = runners[0].backend, []
+    for params in (SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, seed=2),
+                   SamplingParams(temperature=0)):
+        for inputs in steps:
+            draws = StepDraws([draw_prefix(params.seed, request_key(f"r{s}")) for s in slots], [3, 5, 8], params)
+            (graphed, gi), (eager, ei) = (r.run_drawn(inputs, draws) for r in runners)
+            graphed, eager = graphed.cpu()[:, gi], eager.cpu()[:, ei]
+            assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed[2], eager[2])  # tokens, reached
+            torch.testing.assert_close(graphed[1], eager[1], atol=1e-5, rtol=1e-5)
+        captured.append(backend.captured)
+    assert captured[0] == captured[1] < captured[2]  # a new temperature replays; greedy captures
+    assert backend.eager_parts == 0
 
 
 def test_a_cuda_model_runs_the_cuda_backend(monkeypatch):

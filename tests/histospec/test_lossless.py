@@ -30,6 +30,7 @@ from tiny_models import VOCAB, random_prompts, tiny_decoder
 engine_mod = importlib.import_module("rhymerl.engine.engine")
 verify_mod = importlib.import_module("rhymerl.histospec.verify")  # the package re-exports a function `verify`
 device_mod = importlib.import_module("rhymerl.engine.device_verification")
+static_mod = importlib.import_module("rhymerl.engine.backends.static_step")  # the walk inside the step
 
 
 
@@ -75,8 +76,9 @@ def _first_child_walk(drawn, parent, token, levels):
 def apply_mutant(monkeypatch, mutant: str | None) -> None:
     if mutant == "first_child":
         monkeypatch.setattr(verify_mod, "accept", _first_child_accept)
-    elif mutant == "first_child_device":
+    elif mutant == "first_child_device":  # after the step (`verify_on_device`) and inside it (`StaticStep.draw`)
         monkeypatch.setattr(device_mod, "walk", _first_child_walk)
+        monkeypatch.setattr(static_mod, "walk", _first_child_walk)
     elif mutant == "row_off":
         monkeypatch.setattr(engine_mod, "verify", _row_off_verify(verify_mod.verify))
     else:
@@ -110,8 +112,8 @@ def sample_verified(model, mutant, monkeypatch, n: int, static: bool = False):
     root children [c1, c2, c3] (c2 the most likely, listed second) and c2's children [d1, d2].
     Returns the model's distributions, the drawn tokens at positions 1 (given t0) and 2 (given t0, c2), and
     the engine. `static`: on a CPU, the engine runs the CUDA backend's fixed-shape steps eagerly and verifies
-    as a GPU does (`device_verification`: every node drawn in one call, the walk in tensor ops); on a GPU it
-    does so anyway."""
+    as a GPU does (every node drawn and the walk in tensor ops, inside each step: `StaticStep.draw`); on a GPU
+    it does so anyway."""
     prompt = random_prompts(1, seed=64)[0]
     p0 = softmax_after(model, prompt)
     t0 = int(p0.argmax())
@@ -195,8 +197,8 @@ def test_the_distribution_test_catches_broken_verifiers(mutant, monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu-bf16", "cuda-bf16"])
 def test_the_device_walk_follows_the_policy_distribution(device, monkeypatch):
-    """The same chi-square through the GPU's verification (`device_verification`: every node drawn in one
-    call, the acceptance walk in tensor ops, the steps in fixed shapes): in bf16 on a GPU (CUDA graphs;
+    """The same chi-square through the GPU's verification (every node drawn and the acceptance walk in tensor
+    ops, inside the fixed-shape steps: `StaticStep.draw`): in bf16 on a GPU (CUDA graphs;
     scripts/gpu_check.sh runs this) the verification forward rounds unlike a plain one, so tokens may differ
     from plain decoding's, but their distribution must be the policy's. On a CPU the CUDA backend's steps
     run eagerly, in bf16 too (whose tree forward rounds unlike its one-token forward as well): the same walk,
@@ -206,7 +208,8 @@ def test_the_device_walk_follows_the_policy_distribution(device, monkeypatch):
     model = sharpened(4.0, torch.bfloat16).to(device)
     walks = []
     real_walk = device_mod.walk
-    monkeypatch.setattr(device_mod, "walk", lambda *a: walks.append(1) or real_walk(*a))
+    for mod in (device_mod, static_mod):  # the walk after the step or inside it (the engine's way)
+        monkeypatch.setattr(mod, "walk", lambda *a: walks.append(1) or real_walk(*a))
     p1, p2, first, second, eng = sample_verified(model, None, monkeypatch, n=3000, static=device == "cpu")
     assert isinstance(eng.runner.backend, CudaBackend) and eng.runner.backend.mode != "eager" and walks
     assert len(first) > 1200 and len(second) > 500

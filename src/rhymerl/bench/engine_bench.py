@@ -9,7 +9,8 @@ eager mode is slow). Our engine runs the prompts through `b` slots with continuo
 captures a graph for every step shape first (`capture_s`, apart from the timed run).
 
 Beside the rates: where a step's time goes (`step_fields`), and `kernels_per_step`, what a plain decode step
-launches in the static step a CUDA graph replays, counted from its op trace (`op_trace`) on any device, and
+launches in the static step a CUDA graph replays (the forward, the draws and the walk), counted from its op
+trace (`op_trace`) on any device, and
 `kernels_per_verify_step`, a HistoSpec verification step's (trees of `VERIFY_TOKENS` tokens) at the same rows.
 
 The bound: a decoding forward reads every weight once, so it cannot take less than weight bytes / memory
@@ -116,8 +117,9 @@ def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
 
 
 def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
-    """Kernels a plain decode step of `rows` slots launches in the static step a CUDA graph replays: the
-    computing aten ops of its op trace (`op_trace`), countable on any device. Run on a step of padding alone,
+    """Kernels a plain decode step of `rows` slots launches in the static step a CUDA graph replays (forward,
+    draws at temperature 1 and walk: `StaticStep.draw`): the computing aten ops of its op trace (`op_trace`),
+    countable on any device. Run on a step of padding alone,
     which changes no committed key or value. `tokens` > 1: a HistoSpec verification step's, each row a tree
     of that many tokens, on a small cache of its own with room for their drafts. `runner`: the engine's,
     which the bench built (`ours_generate`)."""
@@ -127,8 +129,10 @@ def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
     shapes = StaticShapes(cache)
     step = StaticStep(model, cache, False, bucket_of(rows, shapes.rows), tokens, shapes.keys[0])
     step.load([], [])
+    with torch.inference_mode():  # a warm-up, as before a capture: the sampler makes its constants once
+        step.draw(step.run(), SamplingParams())
     with torch.inference_mode(), OpTrace() as trace:
-        step.run()
+        step.draw(step.run(), SamplingParams())
     return trace.launches
 
 

@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from rhymerl.cost_model import CostModel
 from rhymerl.engine import migration
-from rhymerl.engine.device_verification import verify_on_device
+from rhymerl.engine.device_verification import StepDraws, read_drawn, verify_on_device
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample_rows
-from rhymerl.engine.sampling_params import SamplingParams, draw_prefix
+from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
 from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence, Status, StepEvent
@@ -194,8 +194,8 @@ class Engine:
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
         inputs = [self._input(seq, new, draft, sources.get(seq.slot)) for seq, new, draft in zip(seqs, news, drafts)]
-        logits = self._run(seqs, news, inputs)
-        verified = self._verify(seqs, drafts, logits, [len(x.tokens) - x.logits_from for x in inputs])
+        logits, drawn = self._run(seqs, news, inputs)
+        verified = self._verify(seqs, drafts, logits, drawn, inputs)
         events = [self._commit(seq, v) for seq, v in zip(seqs, verified)]
         for seq, old_slot in self.scheduler.compact():
             self.runner.move(old_slot, seq.slot, seq.num_cached)
@@ -219,18 +219,20 @@ class Engine:
         self.stats.tokens_forwarded += len(x.tokens)
         return x
 
-    def _run(self, seqs: list[Sequence], news: list[list[int]], inputs: list[SlotInput]) -> torch.Tensor:
-        """One forward over every running slot. Logits rows: 1 per plain slot, 1 + len(draft) per drafting
+    def _run(self, seqs: list[Sequence], news: list[list[int]], inputs: list[SlotInput]):
+        """One forward over every running slot -> (logits, None), or (None, its draws) where the backend draws
+        in the step (`ModelRunner.run_drawn`). Logits rows: 1 per plain slot, 1 + len(draft) per drafting
         slot; in the model's dtype (the sampler widens the rows it reads: a verification step reads few)."""
         t0 = time.perf_counter()
-        logits = self.runner.run(inputs, float_logits=False)
+        drawn = self.runner.run_drawn(inputs, StepDraws.of(seqs) if self.runner.backend.verifies_on_device else None)
+        logits = self.runner.run(inputs, float_logits=False) if drawn is None else None
         forward_s = time.perf_counter() - t0
         self.stats.forward_s += forward_s
         migration.count_reprefill(self.stats, seqs, news, inputs, forward_s)  # adopted requests' share
         self.stats.forward_passes += 1
         for seq in seqs:
             seq.forwards += 1
-        return logits
+        return logits, drawn
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
         if self.speculator is None:
@@ -248,21 +250,25 @@ class Engine:
         left = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
         return max(min(left - 1, self.max_draft_tokens), 0)
 
-    def _verify(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor,
-                rows_per_seq: list[int]) -> list[Verified]:
+    def _verify(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor | None, drawn,
+                inputs: list[SlotInput]) -> list[Verified]:
         """Every sequence's draft walked with the policy's keyed draws (`histospec.verify`), drawing only at
         the nodes the walks reach: sequence i's node j has logits row starts[i] + j + 1 (node -1, its last
         real token, the first of its rows). On a backend that verifies on the device (a GPU), every node is
         drawn and walked there in one go when the sequences share their SamplingParams
-        (`device_verification`; the same keyed draws, the same result)."""
+        (`device_verification`; the same keyed draws, the same result), or were in the step (`drawn`)."""
+        if drawn is not None:
+            verified, wait_s = read_drawn(drafts, *drawn)
+            self.stats.device_wait_s += wait_s
+            if verified is not None:
+                return verified
+            logits = self.runner.run(inputs, float_logits=False)  # a forking draft (never a Drafter's): again
         starts = [0] * len(seqs)
         for i in range(1, len(seqs)):
-            starts[i] = starts[i - 1] + rows_per_seq[i - 1]
-        params = seqs[0].params
-        if self.runner.backend.verifies_on_device and all(s.params == params for s in seqs):
-            verified, wait_s = verify_on_device(drafts, logits, starts,
-                                                [draw_prefix(params.seed, s.key) for s in seqs],
-                                                [len(s.output_ids) for s in seqs], params)
+            starts[i] = starts[i - 1] + len(inputs[i - 1].tokens) - inputs[i - 1].logits_from
+        draws = StepDraws.of(seqs) if self.runner.backend.verifies_on_device else None
+        if draws is not None:
+            verified, wait_s = verify_on_device(drafts, logits, starts, draws.prefixes, draws.offsets, draws.params)
             self.stats.device_wait_s += wait_s
             if verified is not None:
                 return verified

@@ -20,7 +20,7 @@ import torch
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.backends import Step, select_backend
-from rhymerl.engine.device_verification import time_draws
+from rhymerl.engine.device_verification import StepDraws, time_draws
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
 
@@ -102,6 +102,18 @@ class ModelRunner:
         step = Step(inputs, trees, torch.tensor(tokens, device=dev), positions_t, logit_rows)
         logits = self.backend.forward(step)
         return logits.float() if float_logits else logits
+
+    @torch.inference_mode()
+    def run_drawn(self, inputs: list[SlotInput], draws: StepDraws | None) -> tuple[torch.Tensor, np.ndarray] | None:
+        """`run` with the step's draws and acceptance walk inside it, where the backend can (the CUDA backend's
+        fixed-shape steps: `CudaBackend.forward_drawn`): ([3, X] on the device, the columns of the inputs'
+        logit rows), for `device_verification.read_drawn`. None, having run nothing, where it cannot."""
+        if draws is None or not self.backend.verifies_on_device:
+            return None
+        for x in inputs:
+            if x.base + len(x.tokens) > self.cache.capacity:
+                raise ValueError(f"slot {x.slot}: {x.base}+{len(x.tokens)} tokens exceed cache capacity {self.cache.capacity}")
+        return self.backend.forward_drawn(inputs, [_ancestors(x.parents, len(x.tokens)) for x in inputs], draws)
 
     def synchronize(self) -> None:
         """Wait until the device has run what was queued (a GPU's forward returns before it has run)."""

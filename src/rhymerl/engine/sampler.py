@@ -162,25 +162,28 @@ def sample_rows(logits: torch.Tensor, seqs: list, rows: list[int], offsets: list
     return tokens, logprobs
 
 
-def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor,
+                   inv_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` on the device, without reading anything back: logits [R, V], keys [R] int64 (on the logits'
-    device) -> (tokens [R] int64, log-probs [R] fp32)."""
+    device) -> (tokens [R] int64, log-probs [R] fp32). `inv_t`: 1 / temperature as an fp32 tensor [1, 1] on
+    the logits' device, read instead of `params.temperature` (a CUDA graph's buffer: one graph serves every
+    temperature; `static_step.StaticStep.draw`). Either way the same arithmetic, so the same bits."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1, keepdim=True)
         return tokens[:, 0], torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0]
+    if inv_t is None:  # a fill, not a copy from the host (which would wait for the queued forward)
+        inv_t = torch.full((1, 1), 1.0 / params.temperature, dtype=torch.float32, device=logits.device)
     # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
     # whose sum is the normaliser) where log_softmax + exp + sums take seven.
-    inv_t = 1.0 / params.temperature
-    neg_top = logits.amax(-1, keepdim=True) * -inv_t  # [R, 1]
-    # (logits - top) / T, i.e. z - max(z) for z = logits / T, in one pass (0 at the maximum). The floor
-    # keeps exp() out of denormals (10x slower at low temperature, where log-probs reach -300); it adds
-    # at most 49152 * e^-80 < 1e-30 of relative mass.
-    probs = torch.add(neg_top, logits, alpha=inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
+    neg_top = logits.amax(-1, keepdim=True).mul_(inv_t).neg_()  # [R, 1]: -max(z) for z = logits / T
+    # logits / T - max(z) in one pass (0 at the maximum). The floor keeps exp() out of denormals (10x slower
+    # at low temperature, where log-probs reach -300); it adds at most 49152 * e^-80 < 1e-30 of relative mass.
+    probs = torch.addcmul(neg_top, logits, inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
     mass = _block_mass(probs)  # [R, nb]
     log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
     kept = filtered_probs(probs, params)
     tokens = sample_columns(kept, keys, mass if kept is probs else None)  # [R, 1]
-    shifted = torch.add(neg_top, logits.gather(-1, tokens), alpha=inv_t)  # the same arithmetic as above
+    shifted = torch.addcmul(neg_top, logits.gather(-1, tokens), inv_t)  # the same arithmetic as above
     return tokens[:, 0], (shifted - log_norm)[:, 0]

@@ -26,7 +26,8 @@ class Backend(Protocol):
     """Runs the decoder over the KV cache. `ops`: the fused CPU kernels' namespace where this backend uses
     them (the sampler's plain case runs in C++ too), else None. `verifies_on_device`: the engine draws every
     draft node and walks the drafts on the device (`engine.device_verification`: a GPU), in one call per step,
-    rather than level by level on the host. `pads_rows`: every row of a step runs padded to the tokens of
+    rather than level by level on the host; such a backend offers `forward_drawn` (`CudaBackend`: the draws
+    and walk inside the step, None where it cannot). `pads_rows`: every row of a step runs padded to the tokens of
     its longest row, rounded up to a bucket (CUDA graphs), so the cost model prices a draft step that way
     (`CostModel.padded_rows`). `step_buckets`: where steps run in fixed shapes, (rows, tokens per row) they are
     rounded up to, which the cost model measures one by one (`cost_model.measure`); None elsewhere."""

@@ -12,9 +12,11 @@ Modes: "graphs" (the default on a GPU); "static", the same parts and buffers run
 tests run this class on a CPU); "eager", every step through `EagerBackend` (`RHYMERL_CUDA_GRAPHS=0`: the
 baseline).
 
-A forward returns as soon as its work is queued: the engine's draws wait for it, once a step
-(`engine.device_verification`), and the host builds the draws' inputs in the meantime. Whoever times a forward
-synchronises (`ModelRunner.synchronize`).
+`forward_drawn` runs the step's draws and acceptance walk inside each part's step too (`StaticStep.draw`): one
+graph a (bucket, greedy/top-k/top-p) replays forward, draws and walk, and the host reads one small tensor
+back (`device_verification.read_drawn`), its one wait of the step. `forward` returns logits (the cost model's
+forwards, a step of several SamplingParams), whose draws the engine makes after it
+(`device_verification.verify_on_device`). Whoever times a forward synchronises (`ModelRunner.synchronize`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,18 +32,25 @@ import torch
 from rhymerl.engine.backends.base import Step
 from rhymerl.engine.backends.eager import EagerBackend
 from rhymerl.engine.backends.static_step import StaticShapes, StaticStep, rope_table
+from rhymerl.engine.device_verification import StepDraws
 from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.decoder import Decoder
 
 
 class _Graph:
-    """One bucket's buffers and, once captured, its graph and its output logits."""
+    """One bucket's buffers and, once captured, its graphs: by key, None for the forward alone (its output the
+    logits), `draw_kind(params)` for the forward with the draws and walk (its output `StaticStep.draw`'s)."""
 
     def __init__(self, step: StaticStep):
         self.step = step
-        self.graph = None  # torch.cuda.CUDAGraph once captured
-        self.logits: torch.Tensor | None = None
-        self.failed = False  # the capture raised: run eagerly
+        self.graphs: dict = {}  # key -> (torch.cuda.CUDAGraph, its output tensor)
+        self.failed: set = set()  # keys whose capture raised: run eagerly
+
+
+def draw_kind(params: SamplingParams) -> tuple[bool, int, float]:
+    """What a drawing graph's ops depend on: greedy or not, top-k, top-p (the temperature is a buffer)."""
+    return params.greedy, params.top_k, params.top_p
 
 
 MODES = ("graphs", "static", "eager")
@@ -97,29 +107,61 @@ class CudaBackend(EagerBackend):
         """(rows, tokens per row) a decode or verification step is rounded up to (`StaticShapes`)."""
         return None if self.mode == "eager" else (self.shapes.rows, self.shapes.tokens)
 
+    def forward_drawn(self, inputs: list, trees: list, draws: StepDraws) -> tuple[torch.Tensor, np.ndarray] | None:
+        """`forward`, with every logits row drawn and the drafts walked inside each part's step (module
+        docstring): ([3, X] on the device, the columns of the inputs' logit rows in order), or None where a
+        part fits no bucket (then nothing has run: the caller takes `forward`'s logits instead)."""
+        if self.mode == "eager":
+            return None
+        parts = _parts(inputs, self.shapes.tree)
+        stripped = [x if x.prefix_from is None else replace(x, prefix_from=None) for x in inputs]
+        shapes = [self.shapes.of([stripped[i] for i in part]) for part in parts]
+        if None in shapes:
+            return None
+        outs, at, width = [], {}, 0
+        for part, shape in zip(parts, shapes):
+            if inputs[part[0]].prefix_from is not None:
+                self._copy_prefixes([inputs[i] for i in part])
+            inputs_p = [stripped[i] for i in part]
+            bucket = self._bucket(shape)
+            index = bucket.step.load(inputs_p, [trees[i] for i in part],
+                                     StepDraws([draws.prefixes[i] for i in part], [draws.offsets[i] for i in part],
+                                               draws.params))
+            out = self._graphed(bucket, draw_kind(draws.params),
+                                lambda step=bucket.step: step.draw(step.run(), draws.params))
+            if len(parts) == 1:  # the common step (decode, verification): its tensor as the graph left it
+                return out, index
+            outs.append(out.clone())  # a later part may replay the same bucket
+            counts = [len(x.tokens) - x.logits_from for x in inputs_p]
+            for i, a, k in zip(part, np.cumsum([0] + counts), counts):
+                at[i] = width + index[a : a + k]
+            width += out.shape[1]
+        return torch.cat(outs, 1), np.concatenate([at[i] for i in range(len(inputs))])
+
     @torch.inference_mode()
-    def capture_every_shape(self, longest_chain: int | None = None) -> tuple[int, float]:
+    def capture_every_shape(self, longest_chain: int | None = None,
+                            params: SamplingParams = SamplingParams()) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
         tokens) now, on a step of padding alone (which changes no committed key or value), so that no later
-        step pays for a capture: what a bench does before its timed runs. "static" mode runs each bucket
-        once instead (what the CPU can check). Returns (buckets newly captured or run, seconds).
+        step pays for a capture: what a bench does before its timed runs. The graphs are the engine's, with
+        the draws (`forward_drawn`) of `params`' kind (`draw_kind`: the default, temperature sampling, serves
+        every temperature). "static" mode runs each bucket once instead (what the CPU can check). Returns
+        (buckets newly captured or run, seconds).
         In inference mode, as `ModelRunner.run`: a caller outside it would otherwise capture every bucket's
         autograd graph, its activations kept alive by the bucket's logits (on an H200, 130 GiB after three
         engines' captures)."""
         if self.mode == "eager":
             return 0, 0.0
-        t0, done = time.perf_counter(), 0
+        t0, done, kind = time.perf_counter(), 0, draw_kind(params)
         for shape in self.shapes.every(longest_chain):
             bucket = self.buckets.get(shape)
             if bucket is None:
-                bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape, self.rope))
-            elif bucket.graph is not None or bucket.failed or self.mode == "static":
+                bucket = self._bucket(shape)
+            elif kind in bucket.graphs or kind in bucket.failed or self.mode == "static":
                 continue
             bucket.step.load([], [])
-            if self.mode == "static":
-                bucket.step.run()
-            else:
-                self._replay(bucket)  # captures it
+            run = lambda step=bucket.step: step.draw(step.run(), params)  # noqa: E731
+            run() if self.mode == "static" else self._graphed(bucket, kind, run)  # captures it
             done += 1
         if self.mode == "graphs":
             torch.cuda.synchronize(self.device)
@@ -135,11 +177,15 @@ class CudaBackend(EagerBackend):
         if shape is None:
             self.eager_parts += 1
             return super().forward(step if whole else _sub_step(inputs, trees, self.device))
+        bucket = self._bucket(shape)
+        index = bucket.step.load(inputs, trees)
+        return self._graphed(bucket, None, bucket.step.run).index_select(0, torch.from_numpy(index).to(self.device))
+
+    def _bucket(self, shape: tuple[bool, int, int, int]) -> _Graph:
         bucket = self.buckets.get(shape)
         if bucket is None:
             bucket = self.buckets[shape] = _Graph(StaticStep(self.model, self.cache, *shape, self.rope))
-        index = bucket.step.load(inputs, trees)
-        return self._replay(bucket).index_select(0, torch.from_numpy(index).to(self.device))
+        return bucket
 
     def _copy_prefixes(self, inputs: list) -> None:
         """Each input's first `base` positions from its `prefix_from` slot, in every layer at once."""
@@ -151,45 +197,48 @@ class CudaBackend(EagerBackend):
             src = torch.tensor([x.prefix_from for x in xs], device=self.device)
             self.cache.kv[:, dst, :, :n] = self.cache.kv[:, src, :, :n]
 
-    def _replay(self, bucket: _Graph) -> torch.Tensor:
-        """Run the bucket's step on its loaded buffers: through its graph, captured on first use."""
+    def _graphed(self, bucket: _Graph, key, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()` (the bucket's work on its loaded buffers) through the bucket's graph for `key`, captured on
+        first use; in "static" mode, or where its capture failed, eagerly."""
         if self.mode == "static":
             self.replays += 1
-            return bucket.step.run()
-        if bucket.graph is None:
-            if bucket.failed:  # its capture failed once: eager from then on
-                return bucket.step.run()
+            return run()
+        entry = bucket.graphs.get(key)
+        if entry is None:
+            if key in bucket.failed:  # its capture failed once: eager from then on
+                return run()
             try:
-                self._capture(bucket)  # computes this very step
+                entry = bucket.graphs[key] = self._capture(run)  # computes this very step
             except RuntimeError as e:  # an op that syncs with the host, say: slower, never wrong
-                bucket.failed = True
-                warnings.warn(f"CUDA graph capture of step shape {bucket.step.shape} failed, running it eagerly: {e}")
+                bucket.failed.add(key)
+                warnings.warn(f"CUDA graph capture of step shape {bucket.step.shape} ({key}) failed, running it "
+                              f"eagerly: {e}")
                 torch.cuda.synchronize(self.device)
-                return bucket.step.run()
-            return bucket.logits
-        bucket.graph.replay()
+                return run()
+            return entry[1]
+        entry[0].replay()
         self.replays += 1
-        return bucket.logits
+        return entry[1]
 
-    def _capture(self, bucket: _Graph) -> None:
-        """Warm the step up on a side stream (cuBLAS and the allocator set themselves up on first use, which a
-        capture must not contain), capture it, replay it. The warm-up and the replay compute this same loaded
-        step, so the keys/values they write are the step's own: nothing is clobbered. The graph reads the
-        model's parameters at the addresses they have now: a weight update must copy into them in place
-        (`RolloutWorker.load_weights` does), never replace them."""
+    def _capture(self, run: Callable[[], torch.Tensor]) -> tuple:
+        """Warm `run` up on a side stream (cuBLAS and the allocator set themselves up on first use, which a
+        capture must not contain), capture it, replay it: (graph, its output). The warm-up and the replay
+        compute this same loaded step, so the keys/values they write are the step's own: nothing is
+        clobbered. The graph reads the model's parameters at the addresses they have now: a weight update
+        must copy into them in place (`RolloutWorker.load_weights` does), never replace them."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            bucket.step.run()
+            run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a trainer's, a hand-over's) do not break this capture
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            bucket.logits = bucket.step.run()
+            out = run()
         self.pool = graph.pool()
-        bucket.graph = graph
         graph.replay()  # capturing only records the kernels: this runs them
         self.captured += 1
+        return graph, out
 
 
 def _parts(inputs: list, tree: int) -> list[list[int]]:

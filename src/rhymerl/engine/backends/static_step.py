@@ -21,6 +21,11 @@ values. Gathered (prefill chains, T up to the capacity), padding writes back wha
 queries see at least one key (no 0/0 softmax), and their logits are never returned. Real tokens see exactly
 what the eager backend's `CachedAttention` gives them: the slot's committed prefix and their own ancestors.
 
+With `StepDraws` (`load(..., draws)`) a step also draws every logits row and walks the drafts (`draw`): the
+sampler's keyed draws (`sampler.draw_keys`, `sample_tensors`, temperature from a buffer) and the acceptance
+walk (`device_verification.walk`, T - 1 rounds: a tree's deepest node), so that one graph replays forward,
+draws and walk, and the host reads one [3, rows] tensor back. Padding rows draw too, as roots; never read.
+
 Nothing here is specific to CUDA: on a CPU the same step runs eagerly, and the tests compare it with the
 eager backend there (tests/engine/backends/test_static_step.py). The graphs themselves are `cuda.py`'s.
 """
@@ -31,7 +36,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rhymerl.engine.device_verification import StepDraws, walk
 from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.sampler import draw_keys, sample_tensors
+from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.model.decoder import Decoder
 
 MIN_KEYS = 64  # the smallest key bucket: attention over fewer positions costs the same
@@ -116,30 +124,41 @@ class StaticStep:
         n = b * t
         # One host-to-device copy each per step. ints: tokens, rope positions, write positions and slots [N]
         # (each token's: what the K/V write indexes with); each row's base, slot and last real token's index [B].
-        self.ints = torch.zeros(4 * n + 3 * b, dtype=torch.int64, device=device)
+        # Then the draws' (`draw`), per logits row (R: B * T by slot, B gathered): its draw prefix, output
+        # position, parent row (a root, a padding row: itself) and draft token (a root: -1).
+        r = self.rows = b if gathered else n
+        m = 4 * n + 3 * b
+        self.ints = torch.zeros(m + 4 * r, dtype=torch.int64, device=device)
         self.tokens, self.positions, self.write_pos, self.token_slots = (self.ints[k * n : (k + 1) * n]
                                                                          for k in range(4))
         self.base, self.slots, self.last = (self.ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
+        self.prefix, self.offset, self.parent, self.draft = (self.ints[m + k * r : m + (k + 1) * r] for k in range(4))
+        self.inv_t = torch.ones((1, 1), dtype=torch.float32, device=device)  # 1 / temperature, set when it changes
+        self._inv_t = 1.0
+        self.reached_all = torch.ones(r, dtype=torch.float64, device=device)  # no walk (T = 1, chains): roots
         # bools: which tokens are real, then (by slot) each row's [T, T] ancestor matrix (a token and its
         # ancestors); gathered rows are chains, whose matrix the mask computes instead
         trees = 0 if gathered else n * t
         self.bools = torch.zeros(n + trees, dtype=torch.bool, device=device)
         self.valid, self.anc = self.bools[:n], None if gathered else self.bools[n:].view(b, t, t)
-        self._host_ints = np.zeros(4 * n + 3 * b, dtype=np.int64)
+        self._host_ints = np.zeros(m + 4 * r, dtype=np.int64)
         self._host_bools = np.zeros(n + trees, dtype=bool)
 
-    def load(self, inputs: list, trees: list) -> np.ndarray:
-        """Fill the buffers from a step's inputs (SlotInputs) and their trees (`Step.trees`); returns the
-        index of each of their logit rows (tokens[logits_from:] of each input, in order) in `run()`'s output.
-        No inputs: a step of padding alone, which changes no committed key or value (`cuda.py` captures every
-        bucket on one before a timed run)."""
-        b, t, n = self.b, self.t, self.b * self.t
+    def load(self, inputs: list, trees: list, draws: StepDraws | None = None) -> np.ndarray:
+        """Fill the buffers from a step's inputs (SlotInputs) and their trees (`Step.trees`), and with `draws`
+        what `draw` needs; returns the index of each of their logit rows (tokens[logits_from:] of each input,
+        in order) in `run()`'s output (and `draw`'s columns). No inputs: a step of padding alone, which changes
+        no committed key or value (`cuda.py` captures every bucket on one before a timed run)."""
+        b, t, n, r, m = self.b, self.t, self.b * self.t, self.rows, 4 * self.b * self.t + 3 * self.b
         ints, bools = self._host_ints, self._host_bools
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
         base, slots, last = (ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
+        prefix, offset, parent, draft = (ints[m + k * r : m + (k + 1) * r] for k in range(4))
         valid, anc = bools[:n].reshape(b, t), None if self.gathered else bools[n:].reshape(b, t, t)
         ints[:] = 0
         bools[:] = False
+        parent[:] = np.arange(r)
+        draft[:] = -1
         if anc is not None:
             anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
         tail = self.cache.capacity - t + np.arange(t)  # by slot: where padding tokens write (module docstring)
@@ -166,8 +185,10 @@ class StaticStep:
         flat = np.repeat(rows * t, ks) + within
         base[rows] = [x.base for x in inputs]
         positions[:] = base[:, None] + np.arange(t)  # padding tokens: any position in the cache will do
-        tokens.reshape(-1)[flat] = [tok for x in inputs for tok in x.tokens]
-        positions.reshape(-1)[flat] = np.repeat(base[rows], ks) + np.concatenate([depth for _, depth in trees])
+        packed = [tok for x in inputs for tok in x.tokens]
+        tokens.reshape(-1)[flat] = packed
+        depth = np.concatenate([depth for _, depth in trees])
+        positions.reshape(-1)[flat] = np.repeat(base[rows], ks) + depth
         valid.reshape(-1)[flat] = True
         for r, k, (ancestors, _) in zip(rows, ks, trees):
             if ancestors is not None and anc is not None:  # a decode token (None) sees only itself: already set
@@ -177,12 +198,23 @@ class StaticStep:
         if not self.gathered:
             write_pos[:] = np.where(valid, write_pos, tail)
         token_slots[:] = slots[:, None]
-        if self.gathered:
-            index = rows
-        else:
-            froms = np.array([x.logits_from for x in inputs])
-            keep = within >= np.repeat(froms, ks)  # tokens[logits_from:] of each input
-            index = flat[keep]
+        froms = np.array([x.logits_from for x in inputs])
+        index = rows if self.gathered else flat[within >= np.repeat(froms, ks)]  # tokens[logits_from:] of each
+        if draws is not None:  # row j of an input draws at output position offset + depth_j - depth_{logits_from}
+            if self.gathered:  # row r: input r's last token, its root
+                prefix[rows], offset[rows] = draws.prefixes, draws.offsets
+            else:
+                prefix[flat] = np.repeat(draws.prefixes, ks)
+                offset[flat] = np.repeat(np.asarray(draws.offsets) - depth[starts + froms], ks) + depth
+                # a drawn row after its input's root: its parent's row and its draft token
+                local = [p for x in inputs for p in (x.parents if x.parents is not None else range(-1, len(x.tokens) - 1))]
+                child = within > np.repeat(froms, ks)
+                parent[flat[child]] = (np.repeat(rows * t, ks) + np.array(local))[child]
+                draft[flat[child]] = np.array(packed)[child]
+            inv_t = 1.0 if draws.params.greedy else 1.0 / draws.params.temperature
+            if inv_t != self._inv_t:  # a fill on the device, queued: no copy, no wait
+                self.inv_t.fill_(inv_t)
+                self._inv_t = inv_t
         self.ints.copy_(torch.from_numpy(ints))
         self.bools.copy_(torch.from_numpy(bools))
         return index
@@ -193,6 +225,16 @@ class StaticStep:
         attention = _StaticAttention(self)
         return self.model.forward_packed(self.tokens, self.positions, attention, self.last if self.gathered else None,
                                          self.rope)
+
+    def draw(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Every logits row (`run()`'s) drawn with its keyed draw, and the drafts walked: [3, R] fp64 (drawn
+        token, its log-prob, reached by the walk), device work alone. `params`: its greedy, top_k and top_p
+        (what the ops' shapes depend on); the temperature comes from the `inv_t` buffer `load` sets."""
+        keys = None if params.greedy else draw_keys(self.prefix, self.offset)
+        drawn, logprobs = sample_tensors(logits, params, keys, self.inv_t)
+        walked = not self.gathered and self.t > 1
+        reached = walk(drawn, self.parent, self.draft, self.t - 1).double() if walked else self.reached_all
+        return torch.stack((drawn.double(), logprobs.double(), reached))
 
     def mask(self) -> torch.Tensor:
         """Additive mask [B, 1, G * T, L] in the cache's dtype: token (b, t) sees position l of its row when
