@@ -19,7 +19,7 @@ import torch
 
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
-from rhymerl.engine.backends import Step, select_backend
+from rhymerl.engine.backends import Backend, Step, select_backend
 from rhymerl.engine.device_verification import time_draws
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
@@ -62,13 +62,14 @@ class ModelRunner:
     forward). `ops`: the fused kernels' namespace where the backend uses them (for the sampler), else None.
 
     The engine commits draft paths and moves slots through `commit` and `move`, not the cache's own
-    methods: a backend may keep state about the cache's contents (the CPU backend's tile cache)."""
+    methods: a backend may keep state about the cache's contents (the CPU backend's tile cache).
+    `backend`: one the caller built over `cache` instead (a bench runs the CUDA backend's static mode on a CPU)."""
 
-    def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
+    def __init__(self, model: Decoder, cache: KVCache, fused: bool = True, backend: Backend | None = None):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
-        self.backend = select_backend(model, cache, fused)
+        self.backend = backend if backend is not None else select_backend(model, cache, fused)
         self.ops = self.backend.ops
 
     def check_fits(self, model: Decoder, num_slots: int, max_model_len: int, scratch: int) -> None:
