@@ -18,6 +18,7 @@ the runner or the speculator.
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from typing import Callable, Iterable
 
 import torch
@@ -29,7 +30,7 @@ from rhymerl.engine.device_verification import verify_on_device
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
 from rhymerl.engine.sampler import sample_rows
-from rhymerl.engine.sampling_params import SamplingParams, draw_prefix
+from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.engine.scheduler import Scheduler
 from rhymerl.engine.prefix_sharing import share_prefixes
 from rhymerl.engine.sequence import Continuation, RequestOutput, Sequence, Status, StepEvent
@@ -255,13 +256,11 @@ class Engine:
         real token, the first of its rows). On a backend that verifies on the device (a GPU), every node is
         drawn and walked there in one go when the sequences share their SamplingParams
         (`device_verification`; the same keyed draws, the same result)."""
-        starts = [0] * len(seqs)
-        for i in range(1, len(seqs)):
-            starts[i] = starts[i - 1] + rows_per_seq[i - 1]
+        starts = list(accumulate(rows_per_seq[:-1], initial=0))
         params = seqs[0].params
-        if self.runner.backend.verifies_on_device and all(s.params == params for s in seqs):
-            verified, wait_s = verify_on_device(drafts, logits, starts,
-                                                [draw_prefix(params.seed, s.key) for s in seqs],
+        # `is` first: the requests of one generate() call share one SamplingParams (a dataclass == is ~1 us)
+        if self.runner.backend.verifies_on_device and all(s.params is params or s.params == params for s in seqs):
+            verified, wait_s = verify_on_device(drafts, logits, starts, [s.draw_prefix for s in seqs],
                                                 [len(s.output_ids) for s in seqs], params)
             self.stats.device_wait_s += wait_s
             if verified is not None:
