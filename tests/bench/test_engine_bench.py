@@ -17,6 +17,7 @@ from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.engine.stats import EngineStats
 from rhymerl.errors import UserError
 
 from tiny_models import byte_model_dir, tiny_decoder
@@ -137,33 +138,53 @@ def test_cli_passes_the_modes_and_leaves_the_batches_to_the_device(monkeypatch, 
 
     monkeypatch.setattr(engine_bench, "run", fake_run)
     assert cli.main(["bench", "engine", "--hf-modes", "eager,compiled", "--device", "cpu"]) == 0
-    assert seen["args"][2] is None and seen["args"][-2:] == ("eager,compiled", engine_bench.HF_BATCHES)
+    assert seen["args"][2] is None and seen["args"][-3:] == ("eager,compiled", engine_bench.HF_BATCHES, "auto")
+    assert cli.main(["bench", "engine", "--device", "cpu", "--backend", "static"]) == 0
+    assert seen["args"][-1] == "static"
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == "m"
 
 
-def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(monkeypatch):
+def test_every_shape_is_captured_before_the_timed_run_and_counted_apart():
     """Where the backend replays CUDA graphs, every step shape is captured before the timed run: the engine's
     counters are the timed run's, and the timed run captures nothing ("static" mode: the CPU's stand-in, which
-    runs each bucket once where a GPU captures it)."""
+    runs each bucket once where a GPU captures it; `--backend static`)."""
     model = tiny_decoder("llama")
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     params = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
-    built = []
-
-    def static_runner(m, cache):
-        runner = ModelRunner(m, cache)
-        runner.backend = CudaBackend(m, cache, "static")
-        built.append(runner.backend)
-        return runner
-
-    monkeypatch.setattr(engine_bench, "ModelRunner", static_runner)
-    tok, _, engine, runner, capture = engine_bench.ours_generate(model, None, prompts, 2, params, 32)
-    assert engine.stats.generated_tokens == tok and capture[1] > 0 and runner.backend is built[0]
-    assert len(built[0].buckets) == len(built[0].shapes.every(4))  # every bucket, chains up to the longest prompt
-    fields = engine_bench.step_fields(engine.stats, runner.backend, capture)
+    tok, _, engine, runner, capture, clock = engine_bench.ours_generate(model, None, prompts, 2, params, 32, "static")
+    backend = runner.backend
+    assert isinstance(backend, CudaBackend) and backend.mode == "static"
+    assert engine.stats.generated_tokens == tok and capture[1] > 0
+    assert len(backend.buckets) == len(backend.shapes.every(4))  # every bucket, chains up to the longest prompt
+    fields = engine_bench.step_fields(engine.stats, backend, capture, clock)
     assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] >= fields["ours_host_ms"] > 0
     assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured_timed"] == 0
     assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step
+    # one host time per step, together the engine's whole host time
+    assert len(clock.host_s) == engine.stats.forward_passes
+    assert sum(clock.host_s) == pytest.approx(engine.stats.host_s)
+    assert min(clock.host_s) <= fields["ours_host_ms_median"] / 1e3 <= max(clock.host_s)
+
+
+def test_step_clock_takes_each_steps_host_time_outside_the_forward_and_the_wait():
+    """A step's host time is its wall time less the forward and the wait for the device (`EngineStats.host_s`),
+    counted only across one forward (a call between two steps that ran no forward adds nothing)."""
+    class FakeEngine:
+        stats = EngineStats()
+
+    engine = FakeEngine()
+    clock = engine_bench.StepClock(engine)
+    clock()
+    for busy, forward, wait in ((0.010, 0.006, 0.001), (0.004, 0.001, 0.0), (0.020, 0.010, 0.002)):
+        s = engine.stats
+        s.busy_s, s.forward_s, s.device_wait_s, s.forward_passes = (s.busy_s + busy, s.forward_s + forward,
+                                                                     s.device_wait_s + wait, s.forward_passes + 1)
+        clock()
+        clock()  # no step in between: nothing
+    assert clock.host_s == pytest.approx([0.003, 0.003, 0.008])
+    assert clock.median_ms() == 3.0 and engine.stats.host_s == pytest.approx(0.014)
+    with pytest.raises(UserError, match="--backend"):
+        engine_bench.run("no-such-model", backend="graphs")
 
 
 def test_kernels_per_step_counts_the_static_steps_computing_ops():

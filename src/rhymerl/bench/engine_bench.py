@@ -20,6 +20,7 @@ b tokens per such forward; KV-cache reads and idle slots only lower the real fig
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -95,25 +96,56 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams,
-                  max_model_len: int) -> tuple[int, float, Engine, ModelRunner, tuple[int, float]]:
+BACKENDS = ("auto", "static")  # `--backend`: the device's own (`select_backend`), or the CUDA graphs' steps run eagerly
+
+
+class StepClock:
+    """The host's time of each engine step (`EngineStats.host_s`, step by step), read between two steps
+    (`Engine.generate`'s `between_steps`): its median is a load spike's-proof figure where the mean is not
+    (`ours_host_ms_median`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.host_s = engine, []
+        self._last: tuple[float, int] | None = None
+
+    def __call__(self) -> None:
+        s = self.engine.stats
+        now = (s.host_s, s.forward_passes)
+        if self._last is not None and now[1] == self._last[1] + 1:  # one forward since: a step's figure
+            self.host_s.append(now[0] - self._last[0])
+        self._last = now
+
+    def median_ms(self) -> float | None:
+        """The median step's host milliseconds; None before two steps."""
+        return round(1e3 * statistics.median(self.host_s), 3) if self.host_s else None
+
+
+def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams, max_model_len: int,
+                  backend: str = "auto") -> tuple[int, float, Engine, ModelRunner, tuple[int, float], StepClock]:
     """(generated tokens, seconds, the engine, the model runner it ran on, (graphs captured, seconds) before
-    the timed run). The bench builds the runner and hands it to the engine, so that it can read the runner's
-    backend. Where that replays CUDA graphs, every step shape is captured first, untimed
+    the timed run, the timed run's per-step host times). The bench builds the runner and hands it to the
+    engine, so that it can read the runner's backend: with `backend` "static", the CUDA backend's static mode
+    on any device (the fixed-shape steps a GPU's graphs replay, run eagerly: on a CPU, the host's work of a
+    GPU step, measurable there). Where that replays CUDA graphs, every step shape is captured first, untimed
     (`capture_every_shape`), as transformers' compiled path compiles in its warm-up: in RL the engine lives
     across steps, so captures are a start-up cost. `graphs_captured_timed` (`step_fields`) shows that the
     timed run captured nothing."""
-    runner = ModelRunner(model, KVCache.for_model(model, batch, max_model_len))
+    if backend not in BACKENDS:
+        raise UserError(f"bench engine: --backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    cache = KVCache.for_model(model, batch, max_model_len)
+    runner = ModelRunner(model, cache, backend=CudaBackend(model, cache, "static") if backend == "static" else None)
     engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len, runner=runner)
-    backend = runner.backend
     capture = (0, 0.0)
-    if isinstance(backend, CudaBackend):
-        seconds = backend.capture_every_shape(max(map(len, prompts)))[1]
-        capture = (backend.captured, seconds)  # counted after the captures: the timed run's are the rest
+    if isinstance(runner.backend, CudaBackend):
+        seconds = runner.backend.capture_every_shape(max(map(len, prompts)))[1]
+        capture = (runner.backend.captured, seconds)  # counted after the captures: the timed run's are the rest
     engine.take_stats()  # the timed run's counters start here
+    clock = StepClock(engine)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0, engine, runner, capture
+    outs = engine.generate(prompts, params, between_steps=clock)
+    seconds = time.perf_counter() - t0
+    clock()  # the last step's figure
+    return sum(len(o.token_ids) for o in outs), seconds, engine, runner, capture, clock
 
 
 def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
@@ -136,18 +168,22 @@ def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
     return trace.launches
 
 
-def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.0)) -> dict:
+def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.0),
+                clock: StepClock | None = None) -> dict:
     """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
     GPU, where the forward only queues its work, the wait for the device's results, and the host's time
     outside the forward (`ours_host_ms`: outside the forward, less that wait; on a CPU the two are one); and
     what the CUDA backend did (`capture`: graphs captured before the timed run and their seconds; then the
     graphs captured during it, which should be none, replays, parts run eagerly). `stats`: the engine's
-    counters of the timed run; `backend`: its runner's."""
+    counters of the timed run; `backend`: its runner's; `clock`: its per-step host times, whose median is
+    `ours_host_ms_median`."""
     steps = max(stats.forward_passes, 1)
     outside = stats.busy_s - stats.forward_s
     out = {"ours_step_ms": round(1e3 * stats.busy_s / steps, 3),
            "ours_outside_forward_ms": round(1e3 * outside / steps, 3),
-           "ours_host_ms": round(1e3 * (outside - stats.device_wait_s) / steps, 3)}
+           "ours_host_ms": round(1e3 * stats.host_s / steps, 3)}
+    if clock is not None and clock.host_s:
+        out["ours_host_ms_median"] = clock.median_ms()
     if stats.device_wait_s:  # a GPU: the forward only queues work, the draws wait for it; the rest is the host's
         out.update(ours_device_wait_ms=round(1e3 * stats.device_wait_s / steps, 3),
                    ours_host_share=round(1 - stats.device_wait_s / max(stats.busy_s, 1e-9), 3))
@@ -161,12 +197,14 @@ def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.
 def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num_prompts: int | None = None,
         max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         skip_hf: bool = False, device: str | None = None, hf_modes: str | list[str] = "eager",
-        hf_batches: int = HF_BATCHES) -> dict:
+        hf_batches: int = HF_BATCHES, backend: str = "auto") -> dict:
     """Our engine vs transformers `generate` in each of `hf_modes` (a list, or `--hf-modes`' text; none with
     `skip_hf`) at each batch size (default: `default_batches` of the device), with the bandwidth bound; the
     bench's summary (JSON-able). transformers runs `hf_batches` batches of the batch size at most (its
     `hf_prompts` first prompts): a rate is a rate, and its eager mode is the slow side (minutes at batch 1
-    on a GPU for all of ours)."""
+    on a GPU for all of ours). `backend`: in BACKENDS (`ours_generate`)."""
+    if backend not in BACKENDS:
+        raise UserError(f"bench engine: --backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if hf_batches < 1:
         raise UserError(f"bench engine: --hf-batches must be at least 1, got {hf_batches}")
     try:
@@ -214,7 +252,8 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
     for b in batches:
         prompts = all_prompts[: counts[b]]
         progress.stage(f"batch {b}: our engine, {len(prompts)} prompts")
-        tok, sec, engine, runner, capture = ours_generate(model, tokenizer, prompts, b, params, max_model_len)
+        tok, sec, engine, runner, capture, clock = ours_generate(model, tokenizer, prompts, b, params, max_model_len,
+                                                                 backend)
         ours_tok_s = tok / sec
         if capture[1]:
             progress.note(f"batch {b}: every step shape captured before the timed run, {capture[1]:.1f} s")
@@ -223,7 +262,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
                "ours_forwards": engine.stats.forward_passes,
                "ours_forward_ms": round(1e3 * engine.stats.forward_s / max(engine.stats.forward_passes, 1), 3),
                "bound_tok_s": round(bound_tok_s, 1), "ours_of_bound": round(ours_tok_s / bound_tok_s, 3),
-               **step_fields(engine.stats, runner.backend, capture),
+               **step_fields(engine.stats, runner.backend, capture, clock),
                "kernels_per_step": kernels_per_step(runner, b),
                "kernels_per_verify_step": kernels_per_step(runner, b, VERIFY_TOKENS)}
         hf_prompts = prompts[: hf_batches * b]
@@ -234,7 +273,7 @@ def run(model_name: str = "smollm2-135m", dtype: str = "auto", batches=None, num
                                progress, eager_error if mode == "eager" else None))
         results[str(b)] = row
     progress.done()
-    return {"model": model_name, "dtype": dtype, **device_fields(device), "max_tokens": max_tokens,
+    return {"model": model_name, "dtype": dtype, **device_fields(device), "backend": backend, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "hf_modes": hf_modes,
             "bandwidth_gb_s": round(bandwidth, 1), "weight_bytes": wbytes,
             "bound_forward_ms": round(1e3 * bound_forward_s, 4), "batches": results}
@@ -270,7 +309,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   f"(measured) = {summary['bound_forward_ms']} ms per forward")
     t = Table(title=title)
     modes = summary.get("hf_modes", ["eager"])
-    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "kernels/step", "kernels/verify"]
+    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "host ms med", "kernels/step", "kernels/verify"]
     for mode in modes:
         cols += [f"hf {mode} tok/s", f"vs {mode}"]
     for col in cols + ["bound tok/s", "% of bound"]:
@@ -279,7 +318,7 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     for b, r in summary["batches"].items():
         cells = [b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_tok_s"]), str(r.get("ours_step_ms", "-")),
                  str(r.get("ours_forward_ms", "-")), str(r.get("ours_host_ms", "-")),
-                 str(r.get("kernels_per_step", "-")), str(r.get("kernels_per_verify_step", "-"))]
+                 str(r.get("ours_host_ms_median", "-")),                 str(r.get("kernels_per_step", "-")), str(r.get("kernels_per_verify_step", "-"))]
         for mode in modes:
             prefix, speedup_key = mode_keys(mode)
             if f"{prefix}_error" in r:

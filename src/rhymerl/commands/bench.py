@@ -37,7 +37,7 @@ def cmd_bench_engine(args) -> int:
     setup(args)
     return _report(engine_bench, engine_bench.run(args.model, args.dtype, batches, args.num_prompts, args.max_tokens,
                                                   args.temperature, args.top_p, args.seed, args.skip_hf, args.device,
-                                                  args.hf_modes, args.hf_batches))
+                                                  args.hf_modes, args.hf_batches, args.backend))
 
 
 def cmd_bench_spec(args) -> int:
@@ -156,6 +156,9 @@ def add_parser(sub) -> None:
                          "eager mode is the slow side)")
     be.add_argument("--skip-hf", action="store_true", help="only our engine (no --hf-modes)")
     be.add_argument("--device", default=None, help=DEVICE_HELP)
+    be.add_argument("--backend", default="auto", choices=engine_bench.BACKENDS,
+                    help="our engine's backend: the device's own, or static: the fixed-shape steps CUDA graphs "
+                         "replay, run eagerly (on a CPU: a GPU step's host work, measured where no GPU is)")
     be.set_defaults(func=cmd_bench_engine)
     bs = bsub.add_parser("spec", help="HistoSpec vs plain decoding on a second epoch of the same prompts",
                          formatter_class=DefaultsHelp)

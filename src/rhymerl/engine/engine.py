@@ -282,20 +282,21 @@ class Engine:
     def _commit(self, seq: Sequence, verified: Verified) -> StepEvent:
         """Append the accepted tokens and the bonus token (stopping at EOS, a stop string or the length
         limit) and keep the accepted path's keys/values."""
-        base, path = seq.num_cached, verified.path
+        path, output = verified.path, seq.output_ids
         if path:
-            self.runner.commit(seq.slot, base, [0] + [j + 1 for j in path])
-        seq.num_cached = seq.num_tokens + len(path)  # fed tokens + accepted drafts; the bonus is not cached
-        if not seq.output_ids:
+            self.runner.commit(seq.slot, seq.num_cached, [0] + [j + 1 for j in path])
+        # fed tokens + accepted drafts; the bonus is not cached
+        seq.num_cached = len(seq.prompt_ids) + len(output) + len(path)
+        if not output:
             seq.first_token = time.perf_counter()
-        reason, appended = None, []
+        reason, before = None, len(output)
         for tok, lp in zip(verified.tokens, verified.logprobs):
-            seq.output_ids.append(tok)
+            output.append(tok)
             seq.logprobs.append(lp)
-            appended.append(tok)
             reason = finish_reason(seq, self.eos_token_ids, self.tokenizer, self.max_model_len)
             if reason is not None:
                 break
+        appended = output[before:]
         self.stats.generated_tokens += len(appended)
         if reason is None:
             return StepEvent(seq.request_id, appended, None)

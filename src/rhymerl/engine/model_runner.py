@@ -19,7 +19,7 @@ import torch
 
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
-from rhymerl.engine.backends import Step, select_backend
+from rhymerl.engine.backends import Backend, Step, select_backend
 from rhymerl.engine.device_verification import StepDraws, time_draws
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.model.decoder import Decoder
@@ -35,13 +35,17 @@ class SlotInput:
     prefix_from: int | None = None  # a slot whose first `base` positions hold this slot's prefix: copied first
 
 
+_ONE_TOKEN = (None, np.zeros(1, dtype=np.int64))  # a decode step's tree, shared by every such input: read-only
+_ONE_TOKEN[1].flags.writeable = False
+
+
 def _ancestors(parents: list[int] | None, n: int) -> tuple[np.ndarray | None, np.ndarray]:
     """([n, n] bool: j is i or an ancestor of i, [n] depth) for a tree given in topological order.
-    A single token (a decode step) needs no matrix: None."""
+    A single token (a decode step) needs no matrix: None, and its depth array is one shared read-only array."""
     if n == 1:
-        if parents not in (None, [-1]):
+        if parents is not None and parents != [-1]:
             raise ValueError(f"draft tree not in topological order: token 0 has parent {parents[0]}")
-        return None, np.zeros(1, dtype=np.int64)
+        return _ONE_TOKEN
     if parents is None:
         return np.tril(np.ones((n, n), dtype=bool)), np.arange(n)
     anc = np.zeros((n, n), dtype=bool)
@@ -62,13 +66,14 @@ class ModelRunner:
     forward). `ops`: the fused kernels' namespace where the backend uses them (for the sampler), else None.
 
     The engine commits draft paths and moves slots through `commit` and `move`, not the cache's own
-    methods: a backend may keep state about the cache's contents (the CPU backend's tile cache)."""
+    methods: a backend may keep state about the cache's contents (the CPU backend's tile cache).
+    `backend`: one the caller built over `cache` instead (a bench runs the CUDA backend's static mode on a CPU)."""
 
-    def __init__(self, model: Decoder, cache: KVCache, fused: bool = True):
+    def __init__(self, model: Decoder, cache: KVCache, fused: bool = True, backend: Backend | None = None):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
-        self.backend = select_backend(model, cache, fused)
+        self.backend = backend if backend is not None else select_backend(model, cache, fused)
         self.ops = self.backend.ops
 
     def check_fits(self, model: Decoder, num_slots: int, max_model_len: int, scratch: int) -> None:
@@ -85,21 +90,25 @@ class ModelRunner:
     def run(self, inputs: list[SlotInput], float_logits: bool = True) -> torch.Tensor:
         """One forward over every slot's new tokens -> logits [sum of returned rows, vocab]: fp32, or with
         `float_logits=False` the model's dtype."""
-        for x in inputs:
-            if x.base + len(x.tokens) > self.cache.capacity:
-                raise ValueError(f"slot {x.slot}: {x.base}+{len(x.tokens)} tokens exceed cache capacity {self.cache.capacity}")
-        tokens, positions, rows, off = [], [], [], 0
-        trees = [_ancestors(x.parents, len(x.tokens)) for x in inputs]  # ([n, n] ancestors, [n] depth)
-        for x, (_, depth) in zip(inputs, trees):
-            n = len(x.tokens)
-            tokens += x.tokens
-            positions.append(x.base + depth)
-            rows += range(off + x.logits_from, off + n)
-            off += n
+        capacity = self.cache.capacity
+        counts = [len(x.tokens) for x in inputs]
+        bases = [x.base for x in inputs]
+        for x, n, base in zip(inputs, counts, bases):
+            if base + n > capacity:
+                raise ValueError(f"slot {x.slot}: {base}+{n} tokens exceed cache capacity {capacity}")
+        trees = [_ancestors(x.parents, n) for x, n in zip(inputs, counts)]  # ([n, n] ancestors, [n] depth)
+        # Packed with a few numpy calls, not one array operation per input (host time on a GPU: the device waits)
+        tokens = [t for x in inputs for t in x.tokens]
+        positions = np.repeat(np.array(bases, dtype=np.int64), counts) + np.concatenate([d for _, d in trees])
+        logit_rows = None
+        if any(x.logits_from for x in inputs):  # some input wants fewer than all its rows
+            rows, off = [], 0
+            for x, n in zip(inputs, counts):
+                rows += range(off + x.logits_from, off + n)
+                off += n
+            logit_rows = torch.tensor(rows, device=self.device)
         dev = self.device
-        positions_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        logit_rows = None if len(rows) == off else torch.tensor(rows, device=dev)
-        step = Step(inputs, trees, torch.tensor(tokens, device=dev), positions_t, logit_rows)
+        step = Step(inputs, trees, torch.tensor(tokens, device=dev), torch.from_numpy(positions).to(dev), logit_rows)
         logits = self.backend.forward(step)
         return logits.float() if float_logits else logits
 

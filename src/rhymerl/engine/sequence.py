@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from rhymerl.engine.sampling_params import SamplingParams, request_key
+from rhymerl.engine.sampling_params import SamplingParams, draw_prefix, request_key
 
 
 class Status(Enum):
@@ -88,6 +89,12 @@ class Sequence:
 
     def __post_init__(self):
         self.key = request_key(self.request_id)
+
+    @functools.cached_property
+    def draw_prefix(self) -> int:
+        """`sampling_params.draw_prefix` of this request (its params and id never change): what every one of
+        its draw keys starts from, read every step."""
+        return draw_prefix(self.params.seed, self.key)
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,14 @@ class EngineStats:
     migration_prefill_s: float = 0.0
 
     @property
+    def host_s(self) -> float:
+        """The host's own time in step(): everything outside the backend's forward and the wait for the device's
+        results (scheduling, drafting, packing the draws, sampler bookkeeping, commits, stats). On a GPU the
+        forward and the draws only queue work, so this is what the device waits on; on a CPU, where they
+        compute in place, it also holds the draws' own arithmetic (small with a small vocabulary)."""
+        return self.busy_s - self.forward_s - self.device_wait_s
+
+    @property
     def tokens_per_forward(self) -> float:
         """Generated tokens per forward pass."""
         return self.generated_tokens / max(self.forward_passes, 1)
