@@ -55,6 +55,14 @@ def queue(slots=2):
     return EarlyQueue([A, A, B, B], ids, PARAMS, slots, lambda: live), live
 
 
+
+def started(q: EarlyQueue) -> "Engine":
+    """A stand-in engine holding what the queue lets in first (`EarlyQueue.start`)."""
+    engine = Engine()
+    for prompt, rid in zip(*q.start(0)):
+        engine.add_request(prompt, PARAMS, rid)
+    return engine
+
 def test_one_member_of_each_group_enters_first():
     q, _ = queue()
     prompts, ids = q.start(0)
@@ -68,9 +76,7 @@ def test_one_member_of_each_group_enters_first():
 
 def test_a_sibling_that_outgrew_its_prediction_renews_the_waiting_ones_and_they_enter_first():
     q, _ = queue()
-    engine = Engine()
-    for prompt, rid in zip(*q.start(0)):
-        engine.add_request(prompt, PARAMS, rid)
+    engine = started(q)
     engine.run("a0", 20)  # on time for 100
     engine.run("b0", 50)  # far past B's 10: B has shifted
     q.finished(engine.finish("b0"), engine)  # a slot frees: a1 was next in line, b1 is renewed and goes first
@@ -80,9 +86,7 @@ def test_a_sibling_that_outgrew_its_prediction_renews_the_waiting_ones_and_they_
 
 def test_without_a_renewal_the_probe_order_stands():
     q, _ = queue()
-    engine = Engine()
-    for prompt, rid in zip(*q.start(0)):
-        engine.add_request(prompt, PARAMS, rid)
+    engine = started(q)
     engine.run("a0", 20)
     engine.run("b0", 9)  # within B's prediction
     q.finished(engine.finish("b0"), engine)
@@ -93,9 +97,7 @@ def test_without_a_renewal_the_probe_order_stands():
 def test_a_rejected_request_comes_back_as_an_error_alone():
     live = predictor()
     q = EarlyQueue([A, [], B], ["a0", "x", "b0"], PARAMS, 1, lambda: live)
-    engine = Engine()
-    for prompt, rid in zip(*q.start(0)):
-        engine.add_request(prompt, PARAMS, rid)
+    engine = started(q)
     engine.run("a0", 5)
     q.finished(engine.finish("a0"), engine)
     assert q.outputs["x"].finish_reason == "error" and "empty prompt" in q.outputs["x"].error
@@ -105,9 +107,7 @@ def test_a_rejected_request_comes_back_as_an_error_alone():
 
 def test_a_hand_over_prices_the_held_ones_at_their_renewed_length_and_queues_what_it_takes():
     q, live = queue()
-    engine = Engine()
-    for prompt, rid in zip(*q.start(0)):
-        engine.add_request(prompt, PARAMS, rid)
+    engine = started(q)
     engine.run("a0", 90)
     engine.run("b0", 60)  # b1, held, is renewed from b0's 60 tokens
     plain = pool_moves(engine.unfinished() + q.held, live, 2)  # as rule "remaining": b1 priced at B's 10
