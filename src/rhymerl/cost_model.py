@@ -1,6 +1,6 @@
-"""The forward-time model (torch-free): how long one engine forward takes for a given batch shape.
+"""The step-time model (torch-free): how long one engine step takes for a given batch shape.
 
-An engine measures it once at start-up (`measure`, with a callback that times real forwards), HistoSpec reads
+An engine measures it once at start-up (`measure`, with a callback that times real steps), HistoSpec reads
 it to decide how many draft tokens a step should verify (docs/design.md, section 7), and `rhymerl bench spec` reads its
 ceiling. It is plain data (`as_dict` / `from_dict`), so a measured model can be handed to another engine, saved
 beside a checkpoint or sent to a worker process.
@@ -16,12 +16,15 @@ from typing import Callable
 SEQS_GRID = (1, 4, 16)  # plus the engine's slot count
 TOKENS_PER_SEQ_GRID = (1, 2, 4, 8, 16)  # those up to max_draft_tokens, plus max_draft_tokens + 1
 MAX_MEASURED_TOKENS = 512
-REPEATS = 2  # each point is the fastest of this many forwards: noise only ever adds time
+REPEATS = 2  # each point is the fastest of this many steps: noise only ever adds time
 
 
 class CostModel:
-    """Forward time (seconds) of a step with `seqs` sequences feeding `tokens` tokens in all, from a grid
-    measured on this machine: times[i][j] for seqs_grid[i] sequences x per_seq_grid[j] tokens each.
+    """Time (seconds) of a step with `seqs` sequences feeding `tokens` tokens in all, from a grid measured on
+    this machine: times[i][j] for seqs_grid[i] sequences x per_seq_grid[j] tokens each. A point is the step
+    as the engine runs it (`measure`): on a CPU its forward; where drafts are verified on the device (a GPU),
+    its forward, the draws of every row, the acceptance walk and the host's part of the runner (packing the
+    step, reading the result back), in the bucket it runs in. (Called "forward" below: what the grid holds.)
     Bilinear interpolation in (sequences, tokens per sequence), linear extrapolation past the grid, and
     the grid is made non-decreasing first (measurement noise must not make a bigger step look cheaper).
     `measured`: timed on this machine (`measure`), so HistoSpec corrects it online against the steps it
@@ -32,9 +35,9 @@ class CostModel:
       measured grid is: `measure(buckets=...)`): its sequences rounded up to the next rows grid point, every
       row padded to the tokens of its longest row rounded up to the next tokens grid point. One sequence
       drafting 8 tokens then costs the step as if every one did; 5 sequences cost what 8 do.
-    - `draft_step_s`, `draft_node_s`: what a step that verifies drafts adds outside the forward, once and
-      per draft node: the device's draws of every node and the acceptance walk, the host's trees. Zero
-      leaves the step at its forward.
+    - `draft_step_s`, `draft_node_s`: what a step that verifies drafts adds outside the grid, once and per
+      draft node. A measured grid holds a drafting step's draws and walk already (`measure`: 0 here); a grid
+      measured before it did (forward alone, the draws timed apart) or written by hand sets them.
     """
 
     def __init__(self, seqs_grid: list[int], per_seq_grid: list[int], times: list[list[float]],
@@ -87,24 +90,25 @@ class CostModel:
         """The most any drafter could gain over plain decoding with `seqs` sequences, by this grid: a perfect
         drafter, every draft a chain of t-1 tokens the policy accepts whole, commits t tokens per sequence
         per forward of cost(seqs * t), where plain commits 1 per cost(seqs). Returns (the best
-        t * cost(seqs) / cost(seqs * t) over t = 1..max_tokens_per_seq, the t that reaches it). The
-        forward only: the rest of a step (drafting, sampling) is left out."""
+        t * cost(seqs) / cost(seqs * t) over t = 1..max_tokens_per_seq, the t that reaches it). The grid
+        only (on a GPU the step with its draws and walk; on a CPU its forward): drafting and the rest of the
+        engine's step are left out."""
         plain = self(seqs, seqs)
         best = max(range(1, max_tokens_per_seq + 1), key=lambda t: (t * plain / self(seqs * t, seqs), -t))
         return best * plain / self(seqs * best, seqs), best
 
 
-def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tokens: int,
-            padded_rows: bool = False, time_draws: Callable[[int, int], float] | None = None,
-            buckets: tuple[list[int], list[int]] | None = None) -> CostModel:
-    """Measure the grid: `time_forward(n, t)` runs one verification forward of n sequences feeding t tokens
-    each (a chain) and returns its seconds. The engine supplies it (`Engine.measure_cost_model`), says
-    whether its backend pads every row to the longest (`padded_rows`: the grid's tokens per sequence are
-    then the backend's buckets) and, where drafts are verified on the device, `time_draws(n, t)`: the
-    seconds of drawing and walking n chains of t nodes (t = 0: a plain step's draws), which give the draft
-    step's own costs (`draft_step_s`, `draft_node_s`). `buckets`: (rows, tokens per row) of a backend whose
-    steps run in fixed shapes: the grid is then those buckets (up to the one holding a full draft), each
-    measured, none extrapolated, so that a step is priced at its own bucket's measured time."""
+def measure(time_step: Callable[[int, int], float], slots: int, max_draft_tokens: int,
+            padded_rows: bool = False, buckets: tuple[list[int], list[int]] | None = None) -> CostModel:
+    """Measure the grid: `time_step(n, t)` runs one verification step of n sequences feeding t tokens each
+    (a token and a chain draft of t - 1) and returns its seconds. The engine supplies it
+    (`ModelRunner.measure_cost`): the step as it runs it, so where drafts are verified on the device (a GPU)
+    the draws of every row, the acceptance walk and the host's reading of the result are in each point, in
+    the bucket they run in, and nothing is added beside the grid (`draft_step_s`, `draft_node_s` stay 0). It
+    says whether its backend pads every row to the longest (`padded_rows`) and `buckets`: (rows, tokens per
+    row) of a backend whose steps run in fixed shapes: the grid is then those buckets (up to the one holding
+    a full draft), each measured, none extrapolated, so that a step is priced at its own bucket's measured
+    time."""
     if buckets is None:
         seqs_grid = sorted({n for n in SEQS_GRID if n < slots} | {slots})
         per_seq_grid = sorted({t for t in TOKENS_PER_SEQ_GRID if t <= max_draft_tokens} | {max_draft_tokens + 1})
@@ -119,19 +123,13 @@ def measure(time_forward: Callable[[int, int], float], slots: int, max_draft_tok
             # big enough to extrapolate linearly from here (a bucket is measured: it is what a step runs in)
             if n * t > MAX_MEASURED_TOKENS and len(row) >= 2 and buckets is None:
                 break
-            row.append(min(time_forward(n, t) for _ in range(REPEATS)))
+            row.append(min(time_step(n, t) for _ in range(REPEATS)))
         while len(row) < len(per_seq_grid):  # extrapolate the skipped (largest) points
             j = len(row)
             slope = (row[-1] - row[-2]) / (per_seq_grid[j - 1] - per_seq_grid[j - 2])
             row.append(row[-1] + slope * (per_seq_grid[j] - per_seq_grid[j - 1]))
         times.append(row)
-    step_s = node_s = 0.0
-    if time_draws is not None:  # all slots: the step where drafting's own cost weighs most against plain
-        best = [min(time_draws(slots, t) for _ in range(REPEATS)) for t in (0, 1, max_draft_tokens)]
-        node_s = max(best[2] - best[1], 0.0) / max(slots * (max_draft_tokens - 1), 1)
-        step_s = max(best[1] - best[0] - slots * node_s, 0.0)
-    return CostModel(seqs_grid, per_seq_grid, times, measured=True, padded_rows=padded_rows,
-                     draft_step_s=step_s, draft_node_s=node_s)
+    return CostModel(seqs_grid, per_seq_grid, times, measured=True, padded_rows=padded_rows)
 
 
 def _cummax(xs: list[float]) -> list[float]:

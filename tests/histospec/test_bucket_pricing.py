@@ -1,6 +1,7 @@
 """HistoSpec prices a draft step at the bucket it runs in on a GPU (issue 34 item 4): rows rounded up to the
-rows bucket, 1 + the longest draft to the tokens bucket, each bucket's forward measured, plus the draws and
-walk measured at start-up and the rest of the step (the host) measured step by step, added, not scaled.
+rows bucket, 1 + the longest draft to the tokens bucket, each bucket's step measured (its forward, draws and
+walk, as `ModelRunner.measure_cost` times them) and the rest of the step (the host) measured step by step,
+added, not scaled.
 
 The machine here is a table with an H100's shape (issue 34, smollm2-135m bf16, 32 slots): a plain forward
 of ~7 ms that stays flat while the GPU waits on launches, a verification step of 22.7 ms in the deepest
@@ -37,10 +38,15 @@ def bucket(n: int, sizes: list[int]) -> int:
     return next(s for s in sizes if s >= n)
 
 
+def step_s(rows: int, tokens: int) -> float:
+    """A bucket's step as the GPU runs it, what the engine's cost model times (`ModelRunner.measure_cost`): the
+    forward, and in a drafting bucket (tokens > 1) the draws and walk."""
+    return forward_s(rows, tokens) + (DRAWS_S if tokens > 1 else 0.0)
+
+
 def h100_cost(max_draft_tokens: int = 32) -> CostModel:
-    """What an engine on that GPU measures: every bucket, timed (here: read from the table)."""
-    return measure(lambda n, t: forward_s(n, t), 32, max_draft_tokens, padded_rows=True,
-                   time_draws=lambda n, t: DRAWS_S if t else 0.0, buckets=(ROWS, TOKENS))
+    """What an engine on that GPU measures: every bucket's step, timed (here: read from the table)."""
+    return measure(step_s, 32, max_draft_tokens, padded_rows=True, buckets=(ROWS, TOKENS))
 
 
 def test_a_step_is_priced_at_the_bucket_it_runs_in():
@@ -118,7 +124,7 @@ def simulate(monkeypatch, c: float, seqs: int, steps: int = 200) -> tuple[float,
             drafting_s = spec.stats.draft_s - drafted_before  # what the speculator measured: the stated time
         depth = max((len(d.tokens) for d in drafts), default=0)
         longest.append(depth)
-        step = forward_s(rows, bucket(1 + depth, TOKENS)) + HOST_S[depth > 0] + (DRAWS_S if depth else 0.0)
+        step = step_s(rows, bucket(1 + depth, TOKENS)) + HOST_S[depth > 0]
         if drafts:
             spec.observe_step(step + drafting_s)
         tokens += seqs + sum(c ** (k + 1) for d in drafts for k in range(len(d.tokens)))

@@ -84,9 +84,12 @@ def test_a_measured_grid_knows_whether_its_backend_pads_rows():
     assert not measure(lambda n, t: 1e-3, slots=4, max_draft_tokens=8).padded_rows
 
 
-def test_an_engine_that_verifies_on_the_device_measures_its_draft_steps_cost():
-    """The CUDA backend's fixed shapes, run eagerly on the CPU ("static"): the measured model pads rows and
-    prices the draws of every node and the walk; the CPU's backends do neither."""
+def test_an_engine_that_verifies_on_the_device_times_whole_steps_in_its_buckets(monkeypatch):
+    """The CUDA backend's fixed shapes, run eagerly on the CPU ("static"): the measured model pads rows, and each
+    point of its grid is a step with the draws and the walk inside it (`run_drawn`, every bucket a step runs
+    in), read back as the engine reads it; nothing is priced beside the grid. The CPU's backends time the
+    forward alone."""
+    from rhymerl.engine import model_runner
     from rhymerl.engine.backends import CudaBackend
     from rhymerl.engine.engine import Engine
     from tiny_models import tiny_decoder
@@ -97,8 +100,83 @@ def test_an_engine_that_verifies_on_the_device_measures_its_draft_steps_cost():
     backend = engine.runner.backend
     assert not backend.pads_rows and not backend.verifies_on_device
     engine.runner.backend = CudaBackend(model, engine.cache, "static")
+    drawn, read = [], []
+    run_drawn, read_drawn = model_runner.ModelRunner.run_drawn, model_runner.read_drawn
+    monkeypatch.setattr(model_runner.ModelRunner, "run_drawn",
+                        lambda self, inputs, draws: drawn.append((len(inputs), max(len(x.tokens) for x in inputs)))
+                        or run_drawn(self, inputs, draws))
+    monkeypatch.setattr(model_runner, "read_drawn", lambda *a: read.append(1) or read_drawn(*a))
     cost = engine.measure_cost_model(4)
-    assert cost.padded_rows and cost.draft_step_s + cost.draft_node_s > 0
-    # its grid is the buckets a step runs in (2 slots; 1 token + 4 drafts a row), each one measured
+    assert cost.padded_rows and cost.draft_step_s == cost.draft_node_s == 0.0
+    # its grid is the buckets a step runs in (2 slots; 1 token + 4 drafts a row), each one a drawn step
     assert (cost.seqs_grid, cost.per_seq_grid) == ([1, 2], [1, 2, 4, 5]) == tuple(engine.runner.backend.step_buckets)
-    assert cost.step(2, 2, 2, 1) > cost(4, 2)
+    assert {(n, t) for n, t in drawn if t <= 5} == {(n, t) for n in (1, 2) for t in (1, 2, 4, 5)}
+    assert len(read) == len(drawn)  # every step's result read back to the host, as the engine does
+    assert cost.step(2, 2, 2, 1) > 0
+
+
+class StatedClock:
+    """`time` for `model_runner`: only the stated costs below move it, whatever this CPU's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class StatedSteps:
+    """The CUDA backend's "static" steps with stated times on `clock`: a forward costs FORWARD_S in every bucket
+    (a GPU waiting on launches); a step with the draws and the walk in it (`forward_drawn`) costs FORWARD_S plus
+    `drafting_s` in a drafting bucket (more than a token a row: the walk, the draws of every node); reading a
+    drafting step's result back (`read_drawn`: its paths, on the host) costs `read_s`."""
+
+    FORWARD_S = 1.0
+
+    def __init__(self, monkeypatch, model, cache, drafting_s: float, read_s: float = 0.0):
+        from rhymerl.engine import model_runner
+        from rhymerl.engine.backends import CudaBackend
+
+        self.clock = clock = StatedClock()
+        backend = CudaBackend(model, cache, "static")
+        forward, forward_drawn = backend.forward, backend.forward_drawn
+
+        def drawn(inputs, trees, draws):
+            clock.now += self.FORWARD_S + (drafting_s if max(len(x.tokens) for x in inputs) > 1 else 0.0)
+            return forward_drawn(inputs, trees, draws)
+
+        def read(drafts, out, index):
+            clock.now += read_s if len(index) > len(drafts) else 0.0  # drafted rows to read
+            return read_drawn(drafts, out, index)
+
+        read_drawn = model_runner.read_drawn
+        monkeypatch.setattr(backend, "forward", lambda step: setattr(clock, "now", clock.now + self.FORWARD_S)
+                            or forward(step))
+        monkeypatch.setattr(backend, "forward_drawn", drawn)
+        monkeypatch.setattr(model_runner, "read_drawn", read)
+        monkeypatch.setattr(model_runner, "time", clock)
+        self.runner = model_runner.ModelRunner(model, cache, backend=backend)
+
+
+@pytest.mark.parametrize("drafting_s, read_s, drafts", [(0.0, 0.0, True), (10.0, 0.0, False), (0.0, 10.0, False)])
+def test_the_budget_drafts_nothing_where_the_steps_draws_walk_or_host_do_not_pay(monkeypatch, drafting_s, read_s,
+                                                                                   drafts):
+    """Measured through `ModelRunner.measure_cost` on a backend whose steps have stated costs: where a drafting
+    bucket's step (its draws and walk inside the graph) costs ten forwards, a sequence copying its history
+    drafts nothing; so too where the host's reading of its result does; where neither costs, it drafts.
+    (Pricing the forward alone beside draws timed apart, as before, priced both dear steps at a forward and
+    drafted.)"""
+    from rhymerl.engine.kv_cache import KVCache
+    from tiny_models import tiny_decoder
+
+    model = tiny_decoder("llama")
+    steps = StatedSteps(monkeypatch, model, KVCache.for_model(model, 2, 48, 4), drafting_s, read_s)
+    cost = steps.runner.measure_cost(4, context=16)
+    assert cost.step(1, 1) == pytest.approx(steps.FORWARD_S)
+    assert cost.step(1, 1, 3, 3) == pytest.approx(steps.FORWARD_S + drafting_s + read_s)
+    prompt, response = list(range(1, 11)), list(range(100, 130))
+    history = HistoryStore()
+    history.record_rollout(prompt, [response])
+    spec = Speculator(cost, history, rule="cost", max_draft_tokens=4, correct_cost=False)
+    (draft,) = spec.plan([prompt[-8:]], [spec.start("g", prompt)], base_tokens=1, seqs=1)
+    assert bool(draft.tokens) == drafts

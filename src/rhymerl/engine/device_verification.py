@@ -49,18 +49,6 @@ class StepDraws:
         return StepDraws([s.draw_prefix for s in seqs], [len(s.output_ids) for s in seqs], params)
 
 
-def time_draws(vocab: int, device, seqs: int, nodes: int) -> float:
-    """Seconds `verify_on_device` takes for `seqs` sequences, each a chain of `nodes` draft nodes (0: a plain
-    step's one draw a sequence), over logits of `vocab` columns already on `device`: the draws of every row,
-    the walk and the wait for their result. What `cost_model.measure` prices a draft step's own work by."""
-    logits = torch.zeros(seqs * (1 + nodes), vocab, device=device)
-    drafts = [Draft(list(range(nodes)), list(range(-1, nodes - 1))) for _ in range(seqs)]
-    starts = [s * (1 + nodes) for s in range(seqs)]
-    t0 = time.perf_counter()
-    verify_on_device(drafts, logits, starts, list(range(seqs)), [0] * seqs, SamplingParams(temperature=1.0))
-    return time.perf_counter() - t0
-
-
 def walk(drawn: torch.Tensor, parent: torch.Tensor, token: torch.Tensor, levels: int) -> torch.Tensor:
     """The acceptance rule (`histospec.verify.accept`) over every drawn row at once, in tensor ops alone (no
     read back to the host, shapes fixed by the inputs': what a CUDA graph can hold). drawn, parent, token: [R]

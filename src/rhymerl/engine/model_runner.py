@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -20,8 +19,10 @@ import torch
 from rhymerl import cost_model
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.backends import Backend, Step, select_backend
-from rhymerl.engine.device_verification import StepDraws, time_draws
+from rhymerl.engine.device_verification import StepDraws, read_drawn, verify_on_device
 from rhymerl.engine.kv_cache import KVCache
+from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.histospec.drafter import Draft
 from rhymerl.model.decoder import Decoder
 
 
@@ -139,23 +140,48 @@ class ModelRunner:
         backend's state kept consistent)."""
         self.backend.move(src, dst, length)
 
-    def measure_cost(self, max_draft_tokens: int, context: int) -> CostModel:
-        """Time real verification forwards on the cache's slots (`rhymerl.cost_model.measure`): n sequences,
-        each with a `context`-token prefix, feeding t tokens as a chain. Only while no request holds a slot:
-        it writes every slot's first `context` + `max_draft_tokens` + 1 positions."""
+    def measure_cost(self, max_draft_tokens: int, context: int,
+                     params: SamplingParams = SamplingParams()) -> CostModel:
+        """Time real verification steps on the cache's slots (`rhymerl.cost_model.measure`): n sequences, each
+        with a `context`-token prefix, feeding t tokens as a chain (a token and a draft of t - 1). Each step
+        as the engine runs it (`priced_step`), host work included. Only while no request holds a slot: it
+        writes every slot's first `context` + `max_draft_tokens` + 1 positions. `params`: the draws' kind
+        (greedy, top-k, top-p) where the backend draws in the step; temperature sampling by default."""
         slots = self.cache.kv.shape[1]
-        self.run([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)])
+        self.priced_step([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)], params)
+        warm: set = set()
 
-        def time_forward(n: int, t: int) -> float:
+        def time_step(n: int, t: int) -> float:
             inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
+            if (n, t) not in warm:  # untimed first: on a GPU, the bucket's graph capture
+                warm.add((n, t))
+                self.priced_step(inputs, params)
             t0 = time.perf_counter()
-            self.run(inputs)
-            self.synchronize()
+            self.priced_step(inputs, params)
             return time.perf_counter() - t0
 
-        # On a GPU: every bucket a step runs in (`Backend.step_buckets`), rows padded to them (`Backend.pads_rows`),
-        # and the draws' and walk's own cost
-        draws = partial(time_draws, self.model.cfg.vocab_size, self.cache.kv.device) \
-            if self.backend.verifies_on_device else None
-        return cost_model.measure(time_forward, slots, max_draft_tokens, self.backend.pads_rows, draws,
+        # On a GPU: every bucket a step runs in (`Backend.step_buckets`), rows padded to them (`Backend.pads_rows`)
+        return cost_model.measure(time_step, slots, max_draft_tokens, self.backend.pads_rows,
                                   self.backend.step_buckets)
+
+    def priced_step(self, inputs: list[SlotInput], params: SamplingParams) -> None:
+        """One step of `inputs` run as the engine runs it, to its end, for the cost model to time. Where the
+        backend verifies on the device: the forward with every row's draws and the acceptance walk (inside
+        the step, `run_drawn`; where it cannot, the forward then `verify_on_device`: the engine's way for
+        such a step), and the host's wait for and reading of the result, each input's tokens after its first
+        taken as a chain draft. Elsewhere the forward alone (a CPU's draws are the host's, priced online by
+        HistoSpec's measured/predicted ratio)."""
+        if not self.backend.verifies_on_device:
+            self.run(inputs, float_logits=False)
+            self.synchronize()
+            return
+        drafts = [Draft(x.tokens[1:], list(range(-1, len(x.tokens) - 2))) if x.logits_from == 0 else Draft()
+                  for x in inputs]
+        draws = StepDraws([x.slot for x in inputs], [0] * len(inputs), params)
+        drawn = self.run_drawn(inputs, draws)
+        if drawn is not None:
+            read_drawn(drafts, *drawn)
+            return
+        logits = self.run(inputs, float_logits=False)
+        starts = np.cumsum([0] + [len(x.tokens) - x.logits_from for x in inputs])[:-1].tolist()
+        verify_on_device(drafts, logits, starts, draws.prefixes, draws.offsets, params)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ class _Graph:
         self.step = step
         self.graphs: dict = {}  # key -> (torch.cuda.CUDAGraph, its output tensor)
         self.failed: set = set()  # keys whose capture raised: run eagerly
+        self.ran: set = set()  # keys run at least once (captured, failed, or in "static" mode run eagerly)
 
 
 def draw_kind(params: SamplingParams) -> tuple[bool, int, float]:
@@ -58,7 +59,10 @@ MODES = ("graphs", "static", "eager")
 
 class CudaBackend(EagerBackend):
     """Steps replayed from CUDA graphs where a bucket fits, eager elsewhere; `mode` in MODES (module
-    docstring). `captured`: graphs captured so far; `replays`, `eager_parts`: parts run each way."""
+    docstring). `captured`: graphs captured so far, in `capture_s` seconds; `first_runs`: (bucket, key) pairs
+    run for the first time (in "graphs" mode each a capture, or its failure; in "static" mode, where nothing is
+    captured, what a GPU would have captured: the CPU's check that a bench's timed runs capture nothing);
+    `replays`, `eager_parts`: parts run each way."""
 
     # A GPU samples a whole tree's rows as fast as one, and every wait for the sampler's results is a host
     # synchronisation: draw every draft node and walk the drafts there, one wait per step.
@@ -73,7 +77,8 @@ class CudaBackend(EagerBackend):
         self.rope = rope_table(model, cache)  # every bucket's steps gather their rope rows from it
         self.buckets: dict[tuple[bool, int, int, int], _Graph] = {}
         self.pool = None  # one memory pool for every graph: they never run at the same time
-        self.captured = self.replays = self.eager_parts = 0
+        self.captured = self.replays = self.eager_parts = self.first_runs = 0
+        self.capture_s = 0.0
 
     def forward(self, step: Step) -> torch.Tensor:
         if self.mode == "eager":
@@ -140,29 +145,35 @@ class CudaBackend(EagerBackend):
 
     @torch.inference_mode()
     def capture_every_shape(self, longest_chain: int | None = None,
-                            params: SamplingParams = SamplingParams()) -> tuple[int, float]:
+                            params: Iterable[SamplingParams] = (SamplingParams(),)) -> tuple[int, float]:
         """Capture a graph for every bucket (`StaticShapes.every`, prefill chains up to `longest_chain`
-        tokens) now, on a step of padding alone (which changes no committed key or value), so that no later
-        step pays for a capture: what a bench does before its timed runs. The graphs are the engine's, with
-        the draws (`forward_drawn`) of `params`' kind (`draw_kind`: the default, temperature sampling, serves
-        every temperature). "static" mode runs each bucket once instead (what the CPU can check). Returns
-        (buckets newly captured or run, seconds).
+        tokens) and every draw kind of `params` (`draw_kind`: greedy, top-k, top-p; one temperature serves
+        every other, a buffer) now, on a step of padding alone (which changes no committed key or value), so
+        that no later step pays for a capture: what a bench does before its timed runs, with the
+        SamplingParams its runs use. The graphs are the engine's: the forward with the draws
+        (`forward_drawn`), which every step of one SamplingParams runs. "static" mode runs each (bucket, kind)
+        once instead (what the CPU can check: `first_runs`). Returns (graphs newly captured or buckets run,
+        seconds).
         In inference mode, as `ModelRunner.run`: a caller outside it would otherwise capture every bucket's
         autograd graph, its activations kept alive by the bucket's logits (on an H200, 130 GiB after three
         engines' captures)."""
         if self.mode == "eager":
             return 0, 0.0
-        t0, done, kind = time.perf_counter(), 0, draw_kind(params)
+        kinds = {draw_kind(p): p for p in params}  # one SamplingParams per kind
+        t0, done = time.perf_counter(), 0
         for shape in self.shapes.every(longest_chain):
-            bucket = self.buckets.get(shape)
-            if bucket is None:
-                bucket = self._bucket(shape)
-            elif kind in bucket.graphs or kind in bucket.failed or self.mode == "static":
-                continue
-            bucket.step.load([], [])
-            run = lambda step=bucket.step: step.draw(step.run(), params)  # noqa: E731
-            run() if self.mode == "static" else self._graphed(bucket, kind, run)  # captures it
-            done += 1
+            bucket = self._bucket(shape)
+            for kind, p in kinds.items():
+                if kind in bucket.ran:
+                    continue
+                bucket.step.load([], [])
+                run = lambda step=bucket.step, p=p: step.draw(step.run(), p)  # noqa: E731
+                if self.mode == "static":  # a run, not a part of a step: no replay counted
+                    self._first_run(bucket, kind)
+                    run()
+                else:
+                    self._graphed(bucket, kind, run)  # captures it
+                done += 1
         if self.mode == "graphs":
             torch.cuda.synchronize(self.device)
         return done, time.perf_counter() - t0
@@ -200,6 +211,7 @@ class CudaBackend(EagerBackend):
     def _graphed(self, bucket: _Graph, key, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`run()` (the bucket's work on its loaded buffers) through the bucket's graph for `key`, captured on
         first use; in "static" mode, or where its capture failed, eagerly."""
+        self._first_run(bucket, key)
         if self.mode == "static":
             self.replays += 1
             return run()
@@ -207,6 +219,7 @@ class CudaBackend(EagerBackend):
         if entry is None:
             if key in bucket.failed:  # its capture failed once: eager from then on
                 return run()
+            t0 = time.perf_counter()
             try:
                 entry = bucket.graphs[key] = self._capture(run)  # computes this very step
             except RuntimeError as e:  # an op that syncs with the host, say: slower, never wrong
@@ -215,10 +228,17 @@ class CudaBackend(EagerBackend):
                               f"eagerly: {e}")
                 torch.cuda.synchronize(self.device)
                 return run()
+            finally:
+                self.capture_s += time.perf_counter() - t0
             return entry[1]
         entry[0].replay()
         self.replays += 1
         return entry[1]
+
+    def _first_run(self, bucket: _Graph, key) -> None:
+        if key not in bucket.ran:
+            bucket.ran.add(key)
+            self.first_runs += 1
 
     def _capture(self, run: Callable[[], torch.Tensor]) -> tuple:
         """Warm `run` up on a side stream (cuBLAS and the allocator set themselves up on first use, which a
