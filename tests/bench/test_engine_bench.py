@@ -144,13 +144,15 @@ def test_cli_passes_the_modes_and_leaves_the_batches_to_the_device(monkeypatch, 
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"] == "m"
 
 
-def test_every_shape_is_captured_before_the_timed_run_and_counted_apart():
-    """Where the backend replays CUDA graphs, every step shape is captured before the timed run: the engine's
-    counters are the timed run's, and the timed run captures nothing ("static" mode: the CPU's stand-in, which
-    runs each bucket once where a GPU captures it; `--backend static`)."""
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_every_shape_is_captured_before_the_timed_run_and_counted_apart(temperature):
+    """Where the backend replays CUDA graphs, every step shape is captured before the timed run, with the draws
+    of the bench's SamplingParams (greedy too): the engine's counters are the timed run's, and the timed run
+    captures nothing ("static" mode: the CPU's stand-in, which runs each bucket once where a GPU captures it,
+    `shapes_first_run_timed`; `--backend static`)."""
     model = tiny_decoder("llama")
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    params = SamplingParams(temperature=1.0, max_tokens=5, seed=0)
+    params = SamplingParams(temperature=temperature, max_tokens=5, seed=0)
     tok, _, engine, runner, capture, clock = engine_bench.ours_generate(model, None, prompts, 2, params, 32, "static")
     backend = runner.backend
     assert isinstance(backend, CudaBackend) and backend.mode == "static"
@@ -159,6 +161,7 @@ def test_every_shape_is_captured_before_the_timed_run_and_counted_apart():
     fields = engine_bench.step_fields(engine.stats, backend, capture, clock)
     assert fields["ours_step_ms"] >= fields["ours_outside_forward_ms"] >= fields["ours_host_ms"] > 0
     assert fields["graph_replays"] > 0 and fields["eager_parts"] == 0 and fields["graphs_captured_timed"] == 0
+    assert fields["shapes_first_run_timed"] == 0 and capture[2] == len(backend.shapes.every(4))
     assert 0 < fields["ours_host_share"] <= 1  # its draws were verified on the "device" and waited for once a step
     # one host time per step, together the engine's whole host time
     assert len(clock.host_s) == engine.stats.forward_passes

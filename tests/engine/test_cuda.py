@@ -151,6 +151,26 @@ def test_in_step_draws_replay_what_the_static_step_draws():
     assert backend.eager_parts == 0
 
 
+def test_every_shape_is_captured_for_every_draw_kind_before_the_runs():
+    """Issue 34 item 2: `capture_every_shape` with a run's SamplingParams (greedy, temperature, top-p) captures
+    every graph the runs then replay, the cost model's measured steps having captured theirs first; HistoSpec
+    runs at each of them capture nothing more. The captures' seconds are counted apart (`capture_s`)."""
+    model = peaky(tiny_decoder("llama-d64")).to("cuda")
+    prompts = random_prompts(4, seed=11)
+    kinds = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.7, max_tokens=12, seed=1),
+             SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=2)]
+    engine = Engine(model, num_slots=4, max_model_len=96, eos_token_ids=[],
+                    speculator=speculator("histospec", history_of(model, prompts, kinds[1]), cost=None))
+    cost, backend = engine.cost_model, engine.runner.backend
+    assert cost.padded_rows and cost.draft_step_s == 0 and backend.captured > 0  # its steps drew in their graphs
+    done, seconds = backend.capture_every_shape(max(map(len, prompts)), kinds)
+    captured, first = backend.captured, backend.first_runs
+    assert done > 0 and 0 < backend.capture_s and backend.captured == first  # no capture failed
+    for params in kinds:
+        engine.generate(prompts, params)
+    assert (backend.captured, backend.first_runs) == (captured, first) and backend.replays > 0
+
+
 def test_a_cuda_model_runs_the_cuda_backend(monkeypatch):
     """select_backend gives a CUDA model the CUDA backend (CUDA graphs) and no CPU kernels; its logits are the
     eager CPU forward's."""

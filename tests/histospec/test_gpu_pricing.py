@@ -180,3 +180,26 @@ def test_the_budget_drafts_nothing_where_the_steps_draws_walk_or_host_do_not_pay
     spec = Speculator(cost, history, rule="cost", max_draft_tokens=4, correct_cost=False)
     (draft,) = spec.plan([prompt[-8:]], [spec.start("g", prompt)], base_tokens=1, seqs=1)
     assert bool(draft.tokens) == drafts
+
+
+def test_a_step_that_cannot_draw_in_itself_is_priced_with_the_draws_after_its_forward(monkeypatch):
+    """The CUDA backend's eager mode (`RHYMERL_CUDA_GRAPHS=0`) verifies on the device but draws nothing inside
+    its steps (`forward_drawn` is None): each point is then timed as the engine runs such a step, the forward
+    and `verify_on_device` after it, in one call per step."""
+    from rhymerl.engine import model_runner
+    from rhymerl.engine.backends import CudaBackend
+    from rhymerl.engine.kv_cache import KVCache
+    from tiny_models import tiny_decoder
+
+    model = tiny_decoder("llama")
+    cache = KVCache.for_model(model, 2, 48, 4)
+    runner = model_runner.ModelRunner(model, cache, backend=CudaBackend(model, cache, "eager"))
+    verified = []
+    verify = model_runner.verify_on_device
+    monkeypatch.setattr(model_runner, "verify_on_device",
+                        lambda drafts, *a: verified.append([len(d.tokens) for d in drafts]) or verify(drafts, *a))
+    cost = runner.measure_cost(4, context=16)
+    assert not cost.padded_rows and cost.seqs_grid == [1, 2]
+    # the context's prefill, then each point (1, 2, 4, 5 tokens a row) once untimed and REPEATS times
+    assert verified[0] == [0, 0] and {tuple(v) for v in verified[1:]} == {(t - 1,) * n for n in (1, 2)
+                                                                          for t in (1, 2, 4, 5)}

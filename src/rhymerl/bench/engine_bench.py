@@ -121,24 +121,26 @@ class StepClock:
 
 
 def ours_generate(model, tokenizer, prompts, batch: int, params: SamplingParams, max_model_len: int,
-                  backend: str = "auto") -> tuple[int, float, Engine, ModelRunner, tuple[int, float], StepClock]:
-    """(generated tokens, seconds, the engine, the model runner it ran on, (graphs captured, seconds) before
-    the timed run, the timed run's per-step host times). The bench builds the runner and hands it to the
+                  backend: str = "auto") -> tuple[int, float, Engine, ModelRunner, tuple[int, float, int], StepClock]:
+    """(generated tokens, seconds, the engine, the model runner it ran on, (graphs captured, seconds, shapes
+    run) before the timed run, the timed run's per-step host times). The bench builds the runner and hands it to the
     engine, so that it can read the runner's backend: with `backend` "static", the CUDA backend's static mode
     on any device (the fixed-shape steps a GPU's graphs replay, run eagerly: on a CPU, the host's work of a
-    GPU step, measurable there). Where that replays CUDA graphs, every step shape is captured first, untimed
-    (`capture_every_shape`), as transformers' compiled path compiles in its warm-up: in RL the engine lives
-    across steps, so captures are a start-up cost. `graphs_captured_timed` (`step_fields`) shows that the
-    timed run captured nothing."""
+    GPU step, measurable there). Where that replays CUDA graphs, every step shape is captured first, untimed,
+    with the draws of `params`' kind (`capture_every_shape`), as transformers' compiled path compiles in its
+    warm-up: in RL the engine lives across steps, so captures are a start-up cost. `graphs_captured_timed`
+    and `shapes_first_run_timed` (`step_fields`) show that the timed run captured nothing (the second also
+    in "static" mode, where a CPU runs the shapes a GPU captures)."""
     if backend not in BACKENDS:
         raise UserError(f"bench engine: --backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     cache = KVCache.for_model(model, batch, max_model_len)
     runner = ModelRunner(model, cache, backend=CudaBackend(model, cache, "static") if backend == "static" else None)
     engine = Engine(model, tokenizer, num_slots=batch, max_model_len=max_model_len, runner=runner)
-    capture = (0, 0.0)
+    capture = (0, 0.0, 0)
     if isinstance(runner.backend, CudaBackend):
-        seconds = runner.backend.capture_every_shape(max(map(len, prompts)))[1]
-        capture = (runner.backend.captured, seconds)  # counted after the captures: the timed run's are the rest
+        seconds = runner.backend.capture_every_shape(max(map(len, prompts)), [params])[1]
+        # counted after the captures: the timed run's are the rest
+        capture = (runner.backend.captured, seconds, runner.backend.first_runs)
     engine.take_stats()  # the timed run's counters start here
     clock = StepClock(engine)
     t0 = time.perf_counter()
@@ -168,13 +170,14 @@ def kernels_per_step(runner: ModelRunner, rows: int, tokens: int = 1) -> int:
     return trace.launches
 
 
-def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.0),
+def step_fields(stats: EngineStats, backend, capture: tuple[int, float, int] = (0, 0.0, 0),
                 clock: StepClock | None = None) -> dict:
     """Where a step's time goes: in the forward and outside it (scheduling, drafting, sampling, commits); on a
     GPU, where the forward only queues its work, the wait for the device's results, and the host's time
     outside the forward (`ours_host_ms`: outside the forward, less that wait; on a CPU the two are one); and
-    what the CUDA backend did (`capture`: graphs captured before the timed run and their seconds; then the
-    graphs captured during it, which should be none, replays, parts run eagerly). `stats`: the engine's
+    what the CUDA backend did (`capture`: graphs captured before the timed run, their seconds and the
+    (bucket, draw kind) pairs run by then; then the graphs captured and the pairs first run during it, which
+    should be none, replays, parts run eagerly). `stats`: the engine's
     counters of the timed run; `backend`: its runner's; `clock`: its per-step host times, whose median is
     `ours_host_ms_median`."""
     steps = max(stats.forward_passes, 1)
@@ -189,7 +192,8 @@ def step_fields(stats: EngineStats, backend, capture: tuple[int, float] = (0, 0.
                    ours_host_share=round(1 - stats.device_wait_s / max(stats.busy_s, 1e-9), 3))
     if isinstance(backend, CudaBackend):
         out.update(graphs_captured=capture[0], capture_s=round(capture[1], 2),
-                   graphs_captured_timed=backend.captured - capture[0], graph_replays=backend.replays,
+                   graphs_captured_timed=backend.captured - capture[0],
+                   shapes_first_run_timed=backend.first_runs - capture[2], graph_replays=backend.replays,
                    eager_parts=backend.eager_parts)
     return out
 
@@ -309,7 +313,8 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                   f"(measured) = {summary['bound_forward_ms']} ms per forward")
     t = Table(title=title)
     modes = summary.get("hf_modes", ["eager"])
-    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "host ms med", "kernels/step", "kernels/verify"]
+    cols = ["batch", "prompts", "ours tok", "ours tok/s", "ours ms/step", "of it fwd", "host ms", "host ms med",
+            "kernels/step", "kernels/verify", "capture s (untimed)"]
     for mode in modes:
         cols += [f"hf {mode} tok/s", f"vs {mode}"]
     for col in cols + ["bound tok/s", "% of bound"]:
@@ -318,7 +323,8 @@ def print_table(summary: dict, console: Console | None = None) -> None:
     for b, r in summary["batches"].items():
         cells = [b, str(r["prompts"]), str(r["ours_tokens"]), str(r["ours_tok_s"]), str(r.get("ours_step_ms", "-")),
                  str(r.get("ours_forward_ms", "-")), str(r.get("ours_host_ms", "-")),
-                 str(r.get("ours_host_ms_median", "-")),                 str(r.get("kernels_per_step", "-")), str(r.get("kernels_per_verify_step", "-"))]
+                 str(r.get("ours_host_ms_median", "-")), str(r.get("kernels_per_step", "-")),
+                 str(r.get("kernels_per_verify_step", "-")), str(r.get("capture_s", "-"))]
         for mode in modes:
             prefix, speedup_key = mode_keys(mode)
             if f"{prefix}_error" in r:

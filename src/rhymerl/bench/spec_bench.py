@@ -175,7 +175,9 @@ class _SpecBench:
             self.progress.stage(f"measuring the cost model ({n_slots} slots, {length} tokens, "
                                 f"{'fp32' if m is self.fp32 else self.dtype})")
             self.make(m, "histospec", n_slots=n_slots, length=length)
-        self.captures = GraphCaptures([r.backend for r in self.engines.runners.values()], max(map(len, self.prompts)))
+        # every draw kind the runs use (greedy at T=0; one temperature's graphs serve the others)
+        self.captures = GraphCaptures([r.backend for r in self.engines.runners.values()], max(map(len, self.prompts)),
+                                      [SamplingParams(temperature=t) for t in self.cfg.temperatures])
         ceiling = {}
         for name, (m, n_slots) in timed.items():
             cost = self.engines.costs[(id(m), n_slots, self.max_len)]
@@ -323,6 +325,11 @@ def print_table(summary: dict, console: Console | None = None) -> None:
                           f"accept {ra['accept_rate']} vs {r['accept_rate']}, drafted {ra['drafted']} vs "
                           f"{r['drafted']}, tok/seq/fwd {ra['tokens_per_forward']} vs {r['tokens_per_forward']}, "
                           f"identity with plain {ra['identity_vs_plain']}")
+    if "graphs_captured" in summary:  # a CUDA backend: its captures, untimed, before the timed runs
+        console.print(f"graphs: {summary['graphs_captured']} captured before the timed runs "
+                      f"({summary['graphs_capture_s']} s of captures; capture_every_shape {summary['capture_s']} s), "
+                      f"{summary['graphs_captured_later']} captured and {summary['shapes_first_run_later']} shapes "
+                      f"first run by the timed runs")
     for name, c in summary["ceiling"].items():
         console.print(f"ceiling ({name.replace('_', ' ')}): a perfect drafter, every sequence committing "
                       f"{c['tokens_per_seq']} tokens per forward, would be {c['speedup']}x plain by the measured "

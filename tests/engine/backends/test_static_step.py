@@ -135,6 +135,27 @@ def test_every_bucket_runs_on_padding_alone_and_changes_no_cache_entry():
     both(eager, static, [SlotInput(s, 0, p, logits_from=len(p) - 1) for s, p in zip((0, 1), prompts)])
 
 
+def test_every_shape_is_run_for_every_draw_kind_of_the_runs_before_them():
+    """`capture_every_shape` with the SamplingParams a run uses (issue 34 item 2: every shape before any timed
+    region): each bucket once per draw kind (greedy, temperature sampling, top-p), a second temperature adds
+    nothing (its graphs are the first's), and an engine then generating with each of them runs no (bucket,
+    draw kind) pair for the first time (`first_runs`: on a GPU, a capture); with the default kind alone, a
+    greedy run does."""
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9)]
+    prompts = random_prompts(4, lo=5, hi=12, seed=8)
+    for captured, first_later in ((kinds, False), ([SamplingParams()], True)):
+        model, _, static = runners(slots=4, max_len=40, scratch=0)
+        backend = static.backend
+        done, _ = backend.capture_every_shape(12, captured)
+        assert done == len(backend.shapes.every(12)) * len(captured) == backend.first_runs
+        assert backend.capture_every_shape(12, [SamplingParams(temperature=0.3)])[0] == 0
+        engine = Engine(model, num_slots=4, max_model_len=40, eos_token_ids=[], runner=static)
+        before = backend.first_runs
+        for params in kinds:
+            engine.generate(prompts, SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=6))
+        assert (backend.first_runs > before) == first_later
+
+
 def test_capturing_every_shape_records_no_autograd_graph(monkeypatch):
     """A bench calls `capture_every_shape` outside `ModelRunner.run`, with autograd on and the weights
     requiring grad: each bucket's step must still run in inference mode, or (on a GPU) every captured graph's
