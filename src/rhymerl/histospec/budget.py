@@ -78,21 +78,23 @@ def length_rule(name: str, max_draft_tokens: int):
     return LENGTH_RULES[name](max_draft_tokens) if name == "cost" else LENGTH_RULES[name]()
 
 
-# ---- the time a GPU step spends outside its priced forward and draws ---------------------------------
-# On a GPU the cost model prices a step at its bucket's measured forward and draws (`CostModel.step`); the rest
-# of the step (the host building the trees, the draws' inputs and the results, the commits, the launches
-# outside the graphs: ~3 ms of a 10 ms plain step of a 135M model on an H100, ~6 ms more when it drafts,
-# issue 34) is a fixed cost per step, which a measured/predicted ratio would scale with the forward, pricing a
-# shallow draft far below its cost. The speculator measures it per (rows bucket, drafting), step by step.
+# ---- the time a GPU step spends outside its priced step ------------------------------------------------
+# On a GPU the cost model prices a step at its bucket's measured step (`CostModel.step`; `ModelRunner.measure_cost`
+# times the forward with the draws and walk in it, the runner's packing and the host's reading of the result);
+# the rest of the engine's step (scheduling, the drafts' trees, the commits, the sequences' bookkeeping: of
+# the ~3 ms a 10 ms plain step of a 135M model spent outside its forward on an H100, ~6 ms more when it
+# drafted, issue 34, what the runner's part does not hold) is a fixed cost per step, which a
+# measured/predicted ratio would scale with the forward, pricing a shallow draft far below its cost. The
+# speculator measures it per (rows bucket, drafting), step by step.
 HOST_DECAY = 0.9  # per measured step: recent steps count most
 
 
 def host_seconds(host: dict[tuple[int, bool], float], bucket: int, drafting: bool) -> float:
-    """A step's time outside its priced forward and draws (`host`: measured per (bucket, drafting)). Where
+    """A step's time outside its priced step (`host`: measured per (bucket, drafting)). Where
     this bucket's was not measured yet, the stated prior: the nearest measured bucket's, and for a drafting
-    step with none measured, what a plain step's is (the same fixed cost both ways, so the forward and the
-    draws decide until a drafting step is timed: the probe steps draft, so one will be); else 0. Never
-    below 0: a step is not priced under its bucket's measured forward."""
+    step with none measured, what a plain step's is (the same fixed cost both ways, so the measured steps
+    decide until a drafting step is timed: the probe steps draft, so one will be); else 0. Never
+    below 0: a step is not priced under its bucket's measured step."""
     for flag in (drafting, False):
         near = [(abs(b - bucket), b) for b, d in host if d == flag]
         if near:
@@ -101,7 +103,7 @@ def host_seconds(host: dict[tuple[int, bool], float], bucket: int, drafting: boo
 
 
 def update_host(old: float | None, seconds: float) -> float:
-    """`old` (None: none yet) moved towards one step's measured time outside its priced forward and draws."""
+    """`old` (None: none yet) moved towards one step's measured time outside its priced step."""
     return seconds if old is None else HOST_DECAY * old + (1 - HOST_DECAY) * seconds
 
 
