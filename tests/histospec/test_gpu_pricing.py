@@ -200,6 +200,6 @@ def test_a_step_that_cannot_draw_in_itself_is_priced_with_the_draws_after_its_fo
                         lambda drafts, *a: verified.append([len(d.tokens) for d in drafts]) or verify(drafts, *a))
     cost = runner.measure_cost(4, context=16)
     assert not cost.padded_rows and cost.seqs_grid == [1, 2]
-    # the context's prefill, then each point (1, 2, 4, 5 tokens a row) once untimed and REPEATS times
+    # the context's prefill, then each point (1, 2, 4, 5 tokens a row), REPEATS times
     assert verified[0] == [0, 0] and {tuple(v) for v in verified[1:]} == {(t - 1,) * n for n in (1, 2)
                                                                           for t in (1, 2, 4, 5)}

@@ -149,11 +149,12 @@ class ModelRunner:
         (greedy, top-k, top-p) where the backend draws in the step; temperature sampling by default."""
         slots = self.cache.kv.shape[1]
         self.priced_step([SlotInput(s, 0, [0] * context, logits_from=context - 1) for s in range(slots)], params)
-        warm: set = set()
+        # fixed shapes (`step_buckets`): each point run once untimed first, which on a GPU is its graph's capture
+        warm: set = set() if self.backend.step_buckets is not None else None
 
         def time_step(n: int, t: int) -> float:
             inputs = [SlotInput(s, context, [0] * t, list(range(-1, t - 1))) for s in range(n)]
-            if (n, t) not in warm:  # untimed first: on a GPU, the bucket's graph capture
+            if warm is not None and (n, t) not in warm:
                 warm.add((n, t))
                 self.priced_step(inputs, params)
             t0 = time.perf_counter()
