@@ -9,7 +9,7 @@ from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
-from rhymerl.histopipe.rebalance import donors, moves, remaining_work
+from rhymerl.histopipe.rebalance import Batch, attention_work, donors, moves, pool_moves, price, remaining_work
 
 
 def test_remaining_work_prices_tokens_and_the_keys_still_to_attend():
@@ -40,6 +40,66 @@ def test_moves_take_the_largest_while_the_later_of_the_two_shortens():
     assert moves([3.0, 3.0, 3.0, 3.0], [0.0] * 4, receiver_left=4.0) == [0]
     with pytest.raises(ValueError, match="re-prefill"):
         moves([1.0], [])
+
+
+def test_a_batch_pays_its_steps_at_the_size_it_runs_and_each_request_its_own_attention():
+    steps = [0.0, 1.0, 1.5, 2.0]  # a step of n sequences: 0.5 + 0.5 n seconds, on 3 slots
+    batch = Batch(lefts=[10, 4, 6, 2], attention=[1.0, 2.0, 3.0, 4.0], prefills=[0.5] * 4, step_cost=steps,
+                  slots=3, load=7.0, own=3.0)
+    assert batch.time([]) == 3.0
+    assert batch.time([0]) == pytest.approx(3.0 + 7.0 + 0.5 + 1.0 + 10 * 1.0)  # alone: a whole step per token
+    # 4, 6, 10 together: 4 steps of three, 2 of two, 4 of one
+    assert batch.time([0, 1, 2]) == pytest.approx(3 + 7 + 1.5 + 6 + 4 * 2.0 + 2 * 1.5 + 4 * 1.0)
+    # past its slots, the fourth waits for one (`batching.worker_time`): 10, 4, 6 run 4 steps, then 10, 6, 2
+    # run 2 more, then the 10 alone 4
+    assert batch.time([0, 1, 2, 3]) == pytest.approx(3 + 7 + 2 + 10 + 4 * 2.0 + 2 * 2.0 + 4 * 1.0)
+    assert attention_work(10, 20, 0.1) == pytest.approx(15.5)  # keys 11 .. 20
+
+
+def test_moves_priced_as_batches_save_nothing_on_a_flat_step_and_pay_the_receivers_load():
+    flat = [0.0, 1.0, 1.0, 1.0, 1.0]  # a step costs 1 s whatever its batch
+    works, kept, taken = price([0, 0], [100, 100], 2, [0.0, 0.0], [0.0, 0.0], flat, 4)
+    # the donor's share step_cost[2] / 2 priced them 50 s each, as if the donor saved 50 s by giving one
+    assert works == [50.0, 50.0] and moves(works, [0.0, 0.0]) == [0]
+    # run as batches: the donor still takes 100 steps with the other, so giving one pays nothing
+    assert kept.time([0, 1]) == kept.time([0]) == 100.0 and moves(works, [0.0, 0.0], donor=kept, receiver=taken) == []
+    growing = [0.0, 1.0, 1.5, 2.0, 2.5]  # 0.5 + 0.5 n: the donor's 150 s become 100 + 100 s
+    works, kept, taken = price([0, 0], [100, 100], 2, [0.0, 0.0], [0.0, 0.0], growing, 4)
+    assert moves(works, [0.0, 0.0], donor=kept, receiver=taken) == [0]
+    assert moves(works, [0.0, 0.0], donor=kept, receiver=Batch(**{**taken.__dict__, "load": 49.0})) == [0]
+    assert moves(works, [0.0, 0.0], donor=kept, receiver=Batch(**{**taken.__dict__, "load": 50.0})) == []
+    with pytest.raises(ValueError, match="both sides"):
+        moves(works, [0.0, 0.0], donor=kept)
+
+
+class _Request:
+    def __init__(self, held: int):
+        self.prompt_ids, self.output_ids = [1], [0] * held
+
+
+class _Known:
+    def predict_past(self, prompt, done):
+        return 100.0
+
+
+def test_the_pool_prices_tokens_or_given_step_costs_with_the_receivers_load():
+    requests = [_Request(0), _Request(0)]  # two waiting requests predicted 100 tokens each
+    assert pool_moves(requests, _Known(), 4) == [requests[0]]  # in tokens, as sums
+    flat, growing = [0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.5, 2.0, 2.5]
+    assert pool_moves(requests, _Known(), 4, step_cost=flat) == []
+    assert pool_moves(requests, _Known(), 4, step_cost=growing) == [requests[0]]
+    assert pool_moves(requests, _Known(), 4, step_cost=growing, load=60.0) == []
+
+
+def test_the_sync_rule_leaves_a_flat_batch_alone():
+    """Two 100-token requests on worker 0, one of 1 on worker 1, a step costing 1 s whatever its batch: worker
+    1 runs dry at 1 s; taking one request would save worker 0 nothing (priced at the donor's share, it moved
+    one, and the re-prefill made the step end at 100.25 s)."""
+    unit = lambda tokens, seqs=1: 1.0  # noqa: E731
+    lengths = [[100, 100], [1]]
+    timeline, moved = simulate_fleet(lengths, [[(0, (0, 1))], [(1, (0,))]], slots=4, cost_model=unit,
+                                     predicted=[[100.0, 100.0], [1.0]], migration="remaining")
+    assert moved == 0 and makespan(timeline) == pytest.approx(100.0)
 
 
 def test_the_pool_runs_the_rule():

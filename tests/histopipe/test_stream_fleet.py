@@ -90,17 +90,21 @@ def test_a_share_of_another_weights_version_first_loads_it_and_a_load_is_not_bus
         simulate_stream(steps, plans, slots=2, cost_model=UNIT, load_s=-1.0)
 
 
+GROWING = lambda tokens, seqs: 0.5 + 0.5 * seqs  # noqa: E731  (a step of n sequences: 0.5 + 0.5 n seconds)
+
+
 def test_remaining_takes_from_the_latest_predicted_end_what_pays_where_half_busiest_counts_requests():
     """Step 1: worker 1 runs two requests predicted (and true) 100 tokens, worker 2 six of 5 on 4 slots, worker 0
     one of 1. Idle from time 2 (steps 1 and 2 done, step 3's weights wait for step 1), worker 0 asks: by count
     (half_busiest) worker 2 gives, by predicted work left (remaining) worker 1, one of its two long requests (a
-    second move would not shorten the later of the two), and the run ends sooner."""
+    second move would not shorten the later of the two), and the run ends sooner. A step's cost grows with its
+    batch here: at a flat cost per step (UNIT) worker 1 would save nothing by giving one (`rebalance.Batch`)."""
     steps = [[[1], [100, 100], [5] * 6], [[1], [1], [1]], [[1], [1], [1]]]
     plans = [[[(0, (0,))], [(1, (0, 1))], [(2, tuple(range(6)))]]] + [[[(0, (0,))], [(1, (0,))], [(2, (0,))]]] * 2
     ends = {}
     for rule in ("half_busiest", "remaining"):
         log: list = []
-        _, _, updates, moved = simulate_stream(steps, plans, slots=4, cost_model=UNIT, migration=rule,
+        _, _, updates, moved = simulate_stream(steps, plans, slots=4, cost_model=GROWING, migration=rule,
                                                predicted=steps, log=log)
         first = next(x for x in log if x[3])
         ends[rule] = updates[-1][1]
@@ -109,6 +113,24 @@ def test_remaining_takes_from_the_latest_predicted_end_what_pays_where_half_busi
         else:
             assert moved == 1 and first[:2] == (0, 0) and len(first[2]) == 1 and first[2][0][:2] == (0, 1)
     assert ends["remaining"] < ends["half_busiest"]
+
+
+def test_remaining_prices_the_receivers_weights_load():
+    """Worker 0 runs steps 1-3 (one short request each) and, holding version 1 for step 3, runs dry while
+    worker 1 still runs step 2's two 100-token requests (version 0, a step of n costing 0.5 + 0.5 n). Taking
+    one costs it a load of version 0 first: at 0.5 s the move pays and the run ends at 105.5; at 60 s it does
+    not (max(60 + its re-prefill + 88 steps, the donor's 88) > the donor's 137 left), so nothing moves and the
+    run ends at 212 (pricing the receiver's load at 0, the rule moved it and the run ended at 274.5)."""
+    steps = [[[1], [1]], [[1], [100, 100]], [[1]], [[1]]]
+    plans = [[[(0, (0,))], [(1, (0,))]], [[(0, (0,))], [(1, (0, 1))]], [[(0, (0,))], []], [[(0, (0,))], []]]
+    ran = {}
+    for load_s in (0.5, 60.0):
+        log: list = []
+        _, _, updates, moved = simulate_stream(steps, plans, slots=2, cost_model=GROWING, migration="remaining",
+                                               predicted=steps, load_s=load_s, log=log)
+        ran[load_s] = moved, updates[-1][1], [(w, t) for w, t, _, was_moved in log if was_moved]
+    assert ran[0.5] == (1, pytest.approx(105.5), [(0, 1)])
+    assert ran[60.0] == (0, pytest.approx(212.0), [])
 
 
 @pytest.mark.parametrize("rule", ["half_busiest", "remaining"])

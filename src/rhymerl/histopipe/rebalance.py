@@ -13,24 +13,93 @@ The rule, asked each time a worker runs dry (no request running or waiting):
 - the donor is the worker whose predicted end (now + the sum of its requests' remaining work) is latest,
   or the next latest when no move from that one pays (`donors`);
 - the donor gives the dry worker its requests with the most remaining work first, each one only when the
-  move shortens the later of the two (`moves`): with D the donor's remaining work, R the receiver's, W the
-  request's and P its re-prefill price (the tokens it has generated, `batching.reprefill_cost`), it moves
-  when max(D - W, R + P + W) < max(D, R), and D, R are updated before the next. A request the move would
-  not pay for stays; so does a donor's last request when the receiver is idle (P > 0 makes it worse).
+  move shortens the later of the two (`moves`): with D the donor's time to run what it keeps and R the
+  receiver's to run what it took, it moves when max(D', R') < max(D, R), D' and R' after the move. Both are
+  priced as batches (`Batch`, `price`): the requests' steps at the batch they run in (a step of n costs
+  step_cost[n], so a thin batch pays nearly a whole step per token), plus each one's attention (its own
+  keys, whatever the batch), plus on the receiver each moved request's re-prefill (the tokens it has
+  generated, `batching.reprefill_cost`) and its weights load when it holds another version (the stream:
+  `stream_fleet.LOAD_S`). A request the move would not pay for stays; so does a donor's last request when
+  the receiver is idle (the re-prefill makes it worse), and a move from a batch whose step costs the same
+  with one sequence fewer (nothing is saved there).
+  Pricing both sides at the donor's per-token share step_cost[n] / n (the sums D - W and R + P + W, what
+  `moves` does without `Batch`es) underprices a receiver's thin batch and overprices the donor's saving.
+  On the rhyming workload with the zen4 cost file it changes little (docs/notebook/2026-11-27-e-rebalance.md):
+  attention is 78-89% of a moved request's price there, and attention does not depend on the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from rhymerl.histopipe.batching import worker_time
+
+
+def tokens_left(done: float, length: float) -> float:
+    """The tokens a request holding `done` and predicted to end at `length` has yet to decode (at least 1)."""
+    return max(float(length), float(done) + 1.0) - done
+
+
+def attention_work(done: float, length: float, per_key: float) -> float:
+    """Seconds of attention left for that request: `per_key` per key it attends to (done + 1 .. length keys
+    over its steps), whatever batch it runs in (each sequence attends to its own keys)."""
+    left = tokens_left(done, length)
+    return per_key * left * (2 * done + 1 + left) / 2
 
 
 def remaining_work(done: float, length: float, step_share: float, per_key: float = 0.0) -> float:
     """Seconds of decode left for a request that holds `done` tokens and is predicted to end at `length`
     (taken as at least done + 1): each token costs `step_share` (its share of a step, step_cost[n] / n at
-    a batch of n) plus `per_key` per key it attends to (done + 1 .. length keys over its steps)."""
-    length = max(float(length), float(done) + 1.0)
-    left = length - done
-    return left * step_share + per_key * left * (done + 1 + length) / 2
+    a batch of n) plus its attention (`attention_work`)."""
+    return tokens_left(done, length) * step_share + attention_work(done, length, per_key)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a worker's continuous batch costs it to run some of a donor's requests (`moves` prices the donor
+    and the receiver so): request i has `lefts[i]` tokens to decode, `attention[i]` seconds of attention
+    (`attention_work`: each sequence attends to its own keys, whatever its batch) and `prefills[i]` seconds to
+    pay before it runs on this worker (a re-prefill on the receiver; on the donor, what a queued moved-in
+    request still owes). They run on `slots` slots, a step of n sequences costing `step_cost[n]`: a thin batch
+    pays nearly a whole step per token, so the per-token price `step_cost[n] / n` of the donor's full batch
+    does not hold for the few requests a receiver takes, nor for the donor's last ones. `load`: seconds of
+    switching weights before the first (the receiver's weights load; 0 when it holds the version), `own`:
+    seconds of other work first."""
+
+    lefts: Sequence[float]
+    attention: Sequence[float]
+    prefills: Sequence[float]
+    step_cost: Sequence[float]
+    slots: int
+    load: float = 0.0
+    own: float = 0.0
+
+    def time(self, held: Sequence[int]) -> float:
+        """Seconds until the worker is done with the requests `held` (indices, in admission order)."""
+        if not held:
+            return self.own
+        lefts = sorted(max(self.lefts[i], 1.0) for i in held)
+        if len(lefts) <= self.slots:  # all in one batch, which thins as they finish (`batching.worker_time`)
+            steps = sum((b - a) * self.step_cost[len(lefts) - j]
+                        for j, (a, b) in enumerate(zip([0.0] + lefts, lefts)))
+        else:
+            steps = worker_time([self.lefts[i] for i in held], self.slots, self.step_cost)
+        return self.own + self.load + sum(self.prefills[i] + self.attention[i] for i in held) + steps
+
+
+def price(done: Sequence[float], lengths: Sequence[float], running: int, prefills: Sequence[float],
+          owed: Sequence[float], step_cost: Sequence[float], slots: int,
+          per_key: float = 0.0) -> tuple[list[float], Batch, Batch]:
+    """A donor's requests (holding `done` tokens, predicted to end at `lengths`; `running` of them in its batch)
+    priced for `moves`: their remaining works at its batch (`remaining_work`, share step_cost[n] / n), the
+    donor's `Batch` of what it keeps (`owed`: what a queued moved-in request still has to re-prefill there)
+    and a receiver's of what it takes (`prefills`: the re-prefill a move costs; no load, no work of its own)."""
+    share = step_cost[max(running, 1)] / max(running, 1)
+    works = [remaining_work(d, n, share, per_key) for d, n in zip(done, lengths)]
+    lefts = [tokens_left(d, n) for d, n in zip(done, lengths)]
+    attention = [attention_work(d, n, per_key) for d, n in zip(done, lengths)]
+    return works, Batch(lefts, attention, owed, step_cost, slots), Batch(lefts, attention, prefills, step_cost, slots)
 
 
 def donors(ends: Sequence[float | None], receiver: int, now: float = 0.0) -> list[int]:
@@ -43,36 +112,55 @@ def donors(ends: Sequence[float | None], receiver: int, now: float = 0.0) -> lis
 
 
 def moves(works: Sequence[float], prefills: Sequence[float], donor_left: float | None = None,
-          receiver_left: float = 0.0) -> list[int]:
-    """Which of a donor's requests (their remaining `works` and re-prefill prices `prefills`, seconds) a
-    receiver with `receiver_left` seconds of its own work takes: largest remaining work first, each only
-    when it shortens the later of the two (see the module doc). `donor_left`: the donor's remaining work
-    (default: the sum of `works`). Indices, in the order taken."""
+          receiver_left: float = 0.0, donor: Batch | None = None, receiver: Batch | None = None) -> list[int]:
+    """Which of a donor's requests (their remaining `works` at the donor's batch and re-prefill prices
+    `prefills`, seconds) a receiver takes: largest remaining work first, each only when it shortens the later
+    of the two (see the module doc). Priced as batches when `donor` and `receiver` are given (`Batch`: the
+    donor's time with the requests it keeps, the receiver's with those it took, its load included), else as
+    sums: the donor's `donor_left` (default: the sum of `works`) less each work taken, the receiver's
+    `receiver_left` plus each work and re-prefill taken. Indices, in the order taken."""
     if len(works) != len(prefills):
         raise ValueError(f"{len(works)} works but {len(prefills)} re-prefill prices")
-    d = sum(works) if donor_left is None else donor_left
-    r = receiver_left
-    taken = []
+    if (donor is None) != (receiver is None):
+        raise ValueError("price both sides as batches (donor and receiver) or neither")
+    kept = list(range(len(works)))
+    d = donor.time(kept) if donor is not None else sum(works) if donor_left is None else donor_left
+    r = receiver.time([]) if receiver is not None else receiver_left
+    taken: list[int] = []
     for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
-        w, p = works[i], prefills[i]
-        if w > 0 and max(d - w, r + p + w) < max(d, r):
+        if works[i] <= 0:
+            continue
+        if donor is not None:
+            d_after, r_after = donor.time([j for j in kept if j != i]), receiver.time(taken + [i])
+        else:
+            d_after, r_after = d - works[i], r + prefills[i] + works[i]
+        if max(d_after, r_after) < max(d, r):
             taken.append(i)
-            d, r = d - w, r + p + w
+            kept.remove(i)
+            d, r = d_after, r_after
     return taken
 
 
-def pool_moves(requests: Sequence, predictor, slots: int, lengths: Sequence[float] | None = None) -> list:
+def pool_moves(requests: Sequence, predictor, slots: int, lengths: Sequence[float] | None = None,
+               step_cost: Sequence[float] | None = None, load: float = 0.0) -> list:
     """The rule on a rollout worker asked to hand over (`RolloutWorker.hand_over`, rule "remaining") for a
     receiver that has run dry: `requests` its unfinished ones (anything with `prompt_ids` and `output_ids`,
-    the tokens it holds), `predictor` the call's live `LengthPredictor`. Priced in tokens, as the pool runs
-    short contexts where attention is a small part of a step: a request's remaining work is its predicted
-    tokens left (`predict_past`, or `lengths[k]` when given and non-zero: the early warning's renewed length,
-    `early_warning`), its re-prefill its held tokens at a full batch's share (1 / `slots` of a decode step
-    each, `batching.reprefill_cost`'s token term). The requests to move, in `moves`' order."""
+    the tokens it holds; those holding tokens are running), `predictor` the call's live `LengthPredictor`. A
+    request's length is `predict_past`'s, or `lengths[k]` when given and non-zero (the early warning's renewed
+    length, `early_warning`). Short contexts, attention unpriced. Without `step_cost`, priced in tokens: a
+    request's remaining work is its predicted tokens left, its re-prefill its held tokens at a full batch's
+    share (1 / `slots` of a decode step each, `batching.reprefill_cost`'s token term), both sides as sums.
+    With `step_cost` (seconds of a decode step by batch size, `batching.decode_costs`), in seconds, both
+    sides as batches (`Batch`), the receiver paying `load` seconds of weights load first. The requests to
+    move, in `moves`' order."""
     done = [len(q.output_ids) for q in requests]
     given = list(lengths) if lengths is not None else [0.0] * len(requests)
     if len(given) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(given)} lengths")
-    works = [remaining_work(d, n or predictor.predict_past(q.prompt_ids, d), 1.0)
-             for q, d, n in zip(requests, done, given)]
-    return [requests[i] for i in moves(works, [d / slots for d in done])]
+    ends = [n or predictor.predict_past(q.prompt_ids, d) for q, d, n in zip(requests, done, given)]
+    if step_cost is None:
+        works = [remaining_work(d, n, 1.0) for d, n in zip(done, ends)]
+        return [requests[i] for i in moves(works, [d / slots for d in done])]
+    prefills = [d * step_cost[slots] / slots for d in done]
+    works, kept, taken = price(done, ends, sum(d > 0 for d in done), prefills, [0.0] * len(done), step_cost, slots)
+    return [requests[i] for i in moves(works, prefills, donor=kept, receiver=replace(taken, load=load))]
