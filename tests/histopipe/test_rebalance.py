@@ -9,7 +9,7 @@ from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
-from rhymerl.histopipe.rebalance import Batch, attention_work, donors, moves, pool_moves, price, remaining_work
+from rhymerl.histopipe.rebalance import Batch, attention_work, batches, donors, moves, pool_moves, remaining_work
 
 
 def test_remaining_work_prices_tokens_and_the_keys_still_to_attend():
@@ -58,13 +58,15 @@ def test_a_batch_pays_its_steps_at_the_size_it_runs_and_each_request_its_own_att
 
 def test_moves_priced_as_batches_save_nothing_on_a_flat_step_and_pay_the_receivers_load():
     flat = [0.0, 1.0, 1.0, 1.0, 1.0]  # a step costs 1 s whatever its batch
-    works, kept, taken = price([0, 0], [100, 100], 2, [0.0, 0.0], [0.0, 0.0], flat, 4)
+    works = [remaining_work(0, 100, flat[2] / 2)] * 2
+    kept, taken = batches([0, 0], [100, 100], [0.0, 0.0], [0.0, 0.0], flat, 4)
     # the donor's share step_cost[2] / 2 priced them 50 s each, as if the donor saved 50 s by giving one
     assert works == [50.0, 50.0] and moves(works, [0.0, 0.0]) == [0]
     # run as batches: the donor still takes 100 steps with the other, so giving one pays nothing
     assert kept.time([0, 1]) == kept.time([0]) == 100.0 and moves(works, [0.0, 0.0], donor=kept, receiver=taken) == []
     growing = [0.0, 1.0, 1.5, 2.0, 2.5]  # 0.5 + 0.5 n: the donor's 150 s become 100 + 100 s
-    works, kept, taken = price([0, 0], [100, 100], 2, [0.0, 0.0], [0.0, 0.0], growing, 4)
+    works = [remaining_work(0, 100, growing[2] / 2)] * 2
+    kept, taken = batches([0, 0], [100, 100], [0.0, 0.0], [0.0, 0.0], growing, 4)
     assert moves(works, [0.0, 0.0], donor=kept, receiver=taken) == [0]
     assert moves(works, [0.0, 0.0], donor=kept, receiver=Batch(**{**taken.__dict__, "load": 49.0})) == [0]
     assert moves(works, [0.0, 0.0], donor=kept, receiver=Batch(**{**taken.__dict__, "load": 50.0})) == []

@@ -50,7 +50,7 @@ from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefi
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
-from rhymerl.histopipe.rebalance import Batch, donors, moves, price
+from rhymerl.histopipe.rebalance import batches, donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
 DONORS_ASKED = 8  # "remaining": a worker that runs dry asks the 8 latest predicted ends, latest first
@@ -281,19 +281,22 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
 
     renewed = [0.0] * len(reqs)  # "early": a waiting request's renewed length (0: not renewed)
 
-    def remaining(w: int) -> tuple[list[int], list[float], list[float], Batch, Batch]:
-        """w's requests, their re-prefills, and `rebalance.price`'s pricing (no load: one weights version)."""
+    def remaining(w: int, priced: bool = False) -> tuple[list[int], list[float], list[float], tuple | None]:
+        """w's requests, re-prefills, works at w's batch, and (`priced`) `rebalance.batches` (no load: one
+        weights version in a sync step)."""
         wk = workers[w]
         rs = [r for _, r in wk.running] + list(wk.queue)
         done = [wk.step - wk.admitted[r] if r in wk.admitted else wk.carried.get(r, 0.0) for r in rs]
         ends = [(early and r not in wk.admitted and renew(r)) or predicted_length(r, d) for r, d in zip(rs, done)]
         owed = [0.0 if r in wk.admitted else wk.prefill.get(r, 0.0) for r in rs]
         prefills = [reprefill(d) if r in wk.admitted else p for r, d, p in zip(rs, done, owed)]
-        return rs, prefills, *price(done, ends, len(wk.running), prefills, owed, step_cost, slots, per_key)
+        share = step_cost[max(len(wk.running), 1)] / max(len(wk.running), 1)
+        works = [remaining_work(d, n, share, per_key) for d, n in zip(done, ends)]
+        return rs, prefills, works, (batches(done, ends, prefills, owed, step_cost, slots, per_key) if priced else None)
 
     def estimate(w: int) -> None:  # "remaining": w's predicted end, and when to look again (see the doc)
         wk = workers[w]
-        rs, _, works, *_ = remaining(w)
+        rs, _, works, _ = remaining(w)
         ends[w] = wk.clock + sum(works) if rs else None
         wk.recheck = min((math.ceil(wk.admitted[r] + max(plen[r], (wk.step - wk.admitted[r]) * 1.02 + 16))
                           for _, r in wk.running), default=math.inf)  # whole steps, as everywhere here
@@ -303,7 +306,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         free = slots - len(workers[idle_w].running) - len(workers[idle_w].queue)
         for src in donors(ends, idle_w, now)[:DONORS_ASKED]:
             boundary(src, now)
-            rs, prefills, works, kept, taken = remaining(src)
+            rs, prefills, works, (kept, taken) = remaining(src, priced=True)
             picked = moves(works, prefills, donor=kept, receiver=replace(taken, own=own))[:free]
             if picked:
                 take(src, idle_w, [rs[i] for i in picked], now)

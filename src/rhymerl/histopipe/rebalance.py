@@ -15,7 +15,7 @@ The rule, asked each time a worker runs dry (no request running or waiting):
 - the donor gives the dry worker its requests with the most remaining work first, each one only when the
   move shortens the later of the two (`moves`): with D the donor's time to run what it keeps and R the
   receiver's to run what it took, it moves when max(D', R') < max(D, R), D' and R' after the move. Both are
-  priced as batches (`Batch`, `price`): the requests' steps at the batch they run in (a step of n costs
+  priced as batches (`Batch`, `batches`): the requests' steps at the batch they run in (a step of n costs
   step_cost[n], so a thin batch pays nearly a whole step per token), plus each one's attention (its own
   keys, whatever the batch), plus on the receiver each moved request's re-prefill (the tokens it has
   generated, `batching.reprefill_cost`) and its weights load when it holds another version (the stream:
@@ -51,8 +51,10 @@ def attention_work(done: float, length: float, per_key: float) -> float:
 def remaining_work(done: float, length: float, step_share: float, per_key: float = 0.0) -> float:
     """Seconds of decode left for a request that holds `done` tokens and is predicted to end at `length`
     (taken as at least done + 1): each token costs `step_share` (its share of a step, step_cost[n] / n at
-    a batch of n) plus its attention (`attention_work`)."""
-    return tokens_left(done, length) * step_share + attention_work(done, length, per_key)
+    a batch of n) plus its attention (`attention_work`, written out here: the simulator asks this often)."""
+    length = max(float(length), float(done) + 1.0)
+    left = length - done
+    return left * step_share + per_key * left * (done + 1 + length) / 2
 
 
 @dataclass(frozen=True)
@@ -88,18 +90,14 @@ class Batch:
         return self.own + self.load + sum(self.prefills[i] + self.attention[i] for i in held) + steps
 
 
-def price(done: Sequence[float], lengths: Sequence[float], running: int, prefills: Sequence[float],
-          owed: Sequence[float], step_cost: Sequence[float], slots: int,
-          per_key: float = 0.0) -> tuple[list[float], Batch, Batch]:
-    """A donor's requests (holding `done` tokens, predicted to end at `lengths`; `running` of them in its batch)
-    priced for `moves`: their remaining works at its batch (`remaining_work`, share step_cost[n] / n), the
+def batches(done: Sequence[float], lengths: Sequence[float], prefills: Sequence[float], owed: Sequence[float],
+            step_cost: Sequence[float], slots: int, per_key: float = 0.0) -> tuple[Batch, Batch]:
+    """A donor's requests (holding `done` tokens, predicted to end at `lengths`) priced for `moves` as the
     donor's `Batch` of what it keeps (`owed`: what a queued moved-in request still has to re-prefill there)
     and a receiver's of what it takes (`prefills`: the re-prefill a move costs; no load, no work of its own)."""
-    share = step_cost[max(running, 1)] / max(running, 1)
-    works = [remaining_work(d, n, share, per_key) for d, n in zip(done, lengths)]
     lefts = [tokens_left(d, n) for d, n in zip(done, lengths)]
     attention = [attention_work(d, n, per_key) for d, n in zip(done, lengths)]
-    return works, Batch(lefts, attention, owed, step_cost, slots), Batch(lefts, attention, prefills, step_cost, slots)
+    return Batch(lefts, attention, owed, step_cost, slots), Batch(lefts, attention, prefills, step_cost, slots)
 
 
 def donors(ends: Sequence[float | None], receiver: int, now: float = 0.0) -> list[int]:
@@ -161,6 +159,8 @@ def pool_moves(requests: Sequence, predictor, slots: int, lengths: Sequence[floa
     if step_cost is None:
         works = [remaining_work(d, n, 1.0) for d, n in zip(done, ends)]
         return [requests[i] for i in moves(works, [d / slots for d in done])]
+    running = max(sum(d > 0 for d in done), 1)
+    works = [remaining_work(d, n, step_cost[running] / running) for d, n in zip(done, ends)]
     prefills = [d * step_cost[slots] / slots for d in done]
-    works, kept, taken = price(done, ends, sum(d > 0 for d in done), prefills, [0.0] * len(done), step_cost, slots)
+    kept, taken = batches(done, ends, prefills, [0.0] * len(done), step_cost, slots)
     return [requests[i] for i in moves(works, prefills, donor=kept, receiver=replace(taken, load=load))]

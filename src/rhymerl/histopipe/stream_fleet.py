@@ -43,7 +43,7 @@ from dataclasses import replace
 from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, run_cost, steps_to_reach
 from rhymerl.histopipe.fleet import DONORS_ASKED
 from rhymerl.histopipe.pieces import Piece
-from rhymerl.histopipe.rebalance import Batch, donors, moves, price
+from rhymerl.histopipe.rebalance import batches, donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
 STREAM_MIGRATIONS = ("half_busiest", "remaining")  # the rules migration inside the stream runs (simulated, on Ray)
@@ -236,7 +236,7 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
         above = [p for p in group_pred[r] if p > done]
         return max(sum(above) / len(above), done + 1.0) if above else done + 1.0
 
-    def remaining(v: int) -> tuple[list[int], list[float], list[float], Batch, Batch]:  # as fleet.py's
+    def remaining(v: int, priced: bool = False) -> tuple[list[int], list[float], list[float], tuple | None]:  # fleet's
         wk = workers[v]
         rs = [r for _, r in wk.running] + list(wk.queue)
         done = [wk.step - wk.admitted[r] if r in wk.admitted else wk.carried.get(r, 0.0) for r in rs]
@@ -244,7 +244,9 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
         owed = [0.0 if r in wk.admitted else wk.prefill.get(r, 0.0) for r in rs]
         prefills = [reprefill_cost(cost_model, step_cost, slots, d) if r in wk.admitted else p
                     for r, d, p in zip(rs, done, owed)]
-        return rs, prefills, *price(done, lens, len(wk.running), prefills, owed, step_cost, slots, per_key)
+        share = step_cost[max(len(wk.running), 1)] / max(len(wk.running), 1)
+        works = [remaining_work(d, n, share, per_key) for d, n in zip(done, lens)]
+        return rs, prefills, works, (batches(done, lens, prefills, owed, step_cost, slots, per_key) if priced else None)
 
     def half_of_busiest(t: int, now: float) -> tuple[int, list[int]] | None:  # the donor and what it gives
         load = {v: len(wk.running) + len(wk.queue) for v, wk in enumerate(workers) if wk.step_of == t}
@@ -262,7 +264,7 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
     def predicted_end(v: int) -> float | None:  # v's clock plus its requests' remaining work, as of its last event
         wk = workers[v]
         if not wk.fresh:
-            rs, _, works, *_ = remaining(v)
+            rs, _, works, _ = remaining(v)
             wk.end, wk.fresh = (wk.clock + sum(works) if rs else None), True
         return wk.end
 
@@ -272,7 +274,7 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
             boundary(src, now)
             if workers[src].step_of != t:
                 continue
-            rs, prefills, works, kept, taken = remaining(src)
+            rs, prefills, works, (kept, taken) = remaining(src, priced=True)
             # the receiver holds no work of its own; it loads step t's weights first if it holds another
             load = load_s if workers[w].held != version_of(t) else 0.0
             picked = moves(works, prefills, donor=kept, receiver=replace(taken, load=load))
