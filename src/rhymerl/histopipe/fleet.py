@@ -24,8 +24,9 @@ Rules (`migration`):
   still waiting work to move. Moved siblings no longer share their group's worker.
 - "remaining" (`rebalance.py`, shared with the rollout worker): a worker that runs dry takes, from the worker
   whose predicted end is latest, the requests with the most predicted remaining work (running ones priced
-  from their live censored prediction given the tokens they hold, re-prefill included), each while the move
-  shortens the later of the two; it asks again each time it runs dry.
+  from their live censored prediction given the tokens they hold), each while the move shortens the later
+  of the two (both priced as the batches they run in, the re-prefill included: `rebalance.Batch`); it asks
+  again each time it runs dry.
 - "early" (with "remaining": the siblings' early warning): each worker admits one member of each of its
   groups first (`early_warning.probe_order`), so every group has a running witness early; once a group's
   member (running, or finished) passes a waiting sibling's predicted length, that sibling is priced at the live

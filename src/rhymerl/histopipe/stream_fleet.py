@@ -17,7 +17,8 @@ ones it would have drawn), before its own next share; when that share is done it
 that step, latest predicted end first (`rebalance.donors`: each worker's end predicted at its last event, its
 clock plus its requests' remaining work, `rebalance.remaining_work`); the first of up to `DONORS_ASKED` from which
 some move pays hands over, at its next step boundary, its requests with the most remaining work while each move
-shortens the later of the two (`rebalance.moves`, re-prefill included). A request's predicted length given the
+shortens the later of the two (`rebalance.moves`, both priced as batches, the receiver's re-prefills and its
+weights load included: `load_s` when it holds another version than the step's). A request's length given the
 `done` tokens it holds is the mean of its group's predicted lengths above `done` (the group's predictions stand
 for its distribution; none above: done + 1), or, given a predictor, its live `predict_past` (renewed once the
 request passes it), as on a real worker.
@@ -275,8 +276,7 @@ def simulate_stream(steps: Sequence[Sequence[Sequence[int]]], assignments: Seque
             if workers[src].step_of != t:
                 continue
             rs, prefills, works, (kept, taken) = remaining(src, priced=True)
-            # the receiver holds no work of its own; it loads step t's weights first if it holds another
-            load = load_s if workers[w].held != version_of(t) else 0.0
+            load = load_s if workers[w].held != version_of(t) else 0.0  # it holds no work of its own
             picked = moves(works, prefills, donor=kept, receiver=replace(taken, load=load))
             if picked:
                 return src, [rs[i] for i in picked]
