@@ -23,9 +23,9 @@ The rule, asked each time a worker runs dry (no request running or waiting):
   the receiver is idle (the re-prefill makes it worse), and a move from a batch whose step costs the same
   with one sequence fewer (nothing is saved there).
   Pricing both sides at the donor's per-token share step_cost[n] / n (the sums D - W and R + P + W, what
-  `moves` does without `Batch`es) underprices a receiver's thin batch and overprices the donor's saving.
-  On the rhyming workload with the zen4 cost file it changes little (docs/notebook/2026-11-27-e-rebalance.md):
-  attention is 78-89% of a moved request's price there, and attention does not depend on the batch.
+  `moves` does without `Batch`es, and `pool_moves` by default) underprices a receiver's thin batch and
+  overprices the donor's saving; where attention dominates a step the two differ little (docs/design.md,
+  section 4, "Migration by predicted remaining work", has the measured figures).
 """
 
 from __future__ import annotations
