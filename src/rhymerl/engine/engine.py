@@ -1,23 +1,23 @@
 """The rollout engine: continuous batching over a preallocated KV cache.
 
-`step()` reads as schedule -> draft -> run -> verify -> commit: admit waiting requests into free slots;
-with HistoSpec on, let it propose a draft tree per decoding sequence (possibly none); run one forward over
-every running slot's new tokens and drafts; walk each draft with the policy's keyed draws
-(`rhymerl.histospec.verify`; plain decoding is the walk over an empty draft: one token); append the
-accepted tokens and the bonus token, keep the accepted path's keys/values, retire the sequences that hit
-EOS, a stop string or their length limit (`rhymerl.engine.stop_rule`; their slots are refilled next step,
-or the survivors are compacted when nothing waits), and hand HistoSpec what was verified. Between two steps
-a request can be handed to another engine (`extract` / `adopt`; the continuation's checks and the re-prefill's
-accounting: `rhymerl.engine.migration`).
+`step()` reads as schedule -> draft -> run -> verify -> commit: admit waiting requests into free slots; with HistoSpec
+on, let it propose a draft tree per decoding sequence (possibly none); run one forward over every running slot's new
+tokens and drafts; walk each draft with the policy's keyed draws (`rhymerl.histospec.verify`; plain decoding is the
+walk over an empty draft: one token); append the accepted tokens and the bonus token, keep the accepted path's
+keys/values, retire the sequences that hit EOS, a stop string or their length limit (`rhymerl.engine.stop_rule`; their
+slots are refilled next step, or the survivors are compacted when nothing waits), and hand HistoSpec what was
+verified. Between two steps a request can be handed to another engine (`extract` / `adopt`; the continuation's checks
+and the re-prefill's accounting: `rhymerl.engine.migration`).
 
-The engine is the only door to its parts: a caller takes its counters (`take_stats`), HistoSpec's learned
-state (`state_dict` / `load_state_dict`) and the cost model (`cost_model`) from it, never from the scheduler,
-the runner or the speculator.
+The engine is the only door to its parts: a caller takes its counters (`take_stats`), HistoSpec's learned state
+(`state_dict` / `load_state_dict`) and the cost model (`cost_model`) from it, never from the scheduler, the runner or
+the speculator.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from typing import Callable, Iterable
 
 import torch
@@ -193,10 +193,10 @@ class Engine:
         self.stats.shared_prompt_tokens += shared
         news = [seq.uncached_ids for seq in seqs]  # whole prompt at first, then the last sampled token
         drafts = self._draft(seqs, sum(map(len, news)))
-        inputs = [self._input(seq, new, draft, sources.get(seq.slot)) for seq, new, draft in zip(seqs, news, drafts)]
+        inputs = self._inputs(seqs, news, drafts, sources)
         logits, drawn = self._run(seqs, news, inputs)
         verified = self._verify(seqs, drafts, logits, drawn, inputs)
-        events = [self._commit(seq, v) for seq, v in zip(seqs, verified)]
+        events = self._commit(seqs, verified)
         for seq, old_slot in self.scheduler.compact():
             self.runner.move(old_slot, seq.slot, seq.num_cached)
         if self.speculator is not None:
@@ -206,18 +206,23 @@ class Engine:
         self.stats.seq_steps += len(seqs)
         return events
 
-    def _input(self, seq: Sequence, new: list[int], draft: Draft, prefix_from: int | None) -> SlotInput:
-        """What `seq`'s slot feeds this step: its uncached tokens `new`, then its draft tree, if any, hung
-        from the last of them (node 0); without a draft, the prefix it may copy from slot `prefix_from`."""
-        if draft.tokens:
-            parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
-            x = SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents)
-        else:
-            x = SlotInput(seq.slot, seq.num_cached, new, logits_from=len(new) - 1, prefix_from=prefix_from)
-        # a prefill feeds the rest of the prompt, then an adopted request's generated tokens
-        self.stats.prompt_tokens += len(new) - len(seq.output_ids) if seq.num_cached < len(seq.prompt_ids) else 0
-        self.stats.tokens_forwarded += len(x.tokens)
-        return x
+    def _inputs(self, seqs: list[Sequence], news: list[list[int]], drafts: list[Draft],
+                sources: dict[int, int]) -> list[SlotInput]:
+        """What each slot feeds this step: its uncached tokens `new`, then its draft tree, if any, hung from the
+        last of them (node 0); without a draft, the prefix it may copy from slot `sources[slot]`."""
+        inputs, prompt_tokens = [], 0
+        for seq, new, draft in zip(seqs, news, drafts):
+            if draft.tokens:
+                parents = [-1] + [0 if p < 0 else p + 1 for p in draft.parents]
+                inputs.append(SlotInput(seq.slot, seq.num_cached, new + draft.tokens, parents))
+            else:
+                inputs.append(SlotInput(seq.slot, seq.num_cached, new, None, len(new) - 1,
+                                        sources.get(seq.slot) if sources else None))
+            if seq.num_cached < len(seq.prompt_ids):  # a prefill feeds the rest of the prompt, then an adopted
+                prompt_tokens += len(new) - len(seq.output_ids)  # request's generated tokens
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.tokens_forwarded += sum(len(x.tokens) for x in inputs)
+        return inputs
 
     def _run(self, seqs: list[Sequence], news: list[list[int]], inputs: list[SlotInput]):
         """One forward over every running slot -> (logits, None), or (None, its draws) where the backend draws
@@ -230,8 +235,6 @@ class Engine:
         self.stats.forward_s += forward_s
         migration.count_reprefill(self.stats, seqs, news, inputs, forward_s)  # adopted requests' share
         self.stats.forward_passes += 1
-        for seq in seqs:
-            seq.forwards += 1
         return logits, drawn
 
     def _draft(self, seqs: list[Sequence], base_tokens: int) -> list[Draft]:
@@ -239,16 +242,12 @@ class Engine:
             return [Draft()] * len(seqs)
         # Only decoding sequences draft, and no deeper than they may still grow: a response's last tokens
         # before max_tokens or the context's end draft too (they are a long response's, often a loop's, and
-        # decoding them one per step took a sizeable share of a T=0.3 tail), but no draft reaches past that end.
-        rooms = [self._draft_room(s) if s.num_cached >= len(s.prompt_ids) else 0 for s in seqs]
+        # decoding them one per step took a sizeable share of a T=0.3 tail), but no draft reaches past that end:
+        # its room, less the bonus token every step appends. Its nodes always fit in the cache, whose scratch
+        # holds max_draft_tokens positions past the context.
+        rooms = [max(min(s.room(self.max_model_len) - 1, self.max_draft_tokens), 0)
+                 if s.num_cached >= len(s.prompt_ids) else 0 for s in seqs]
         return self.speculator.propose(seqs, rooms, base_tokens, draining=not self.scheduler.waiting)
-
-    def _draft_room(self, seq: Sequence) -> int:
-        """How deep a draft of `seq` may be: the tokens it may still append (before max_tokens and the end of
-        the context), less the bonus token every step appends. The tree's nodes always fit in the cache:
-        its scratch holds max_draft_tokens positions past the context."""
-        left = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
-        return max(min(left - 1, self.max_draft_tokens), 0)
 
     def _verify(self, seqs: list[Sequence], drafts: list[Draft], logits: torch.Tensor | None, drawn,
                 inputs: list[SlotInput]) -> list[Verified]:
@@ -263,9 +262,7 @@ class Engine:
             if verified is not None:
                 return verified
             logits = self.runner.run(inputs, float_logits=False)  # a forking draft (never a Drafter's): again
-        starts = [0] * len(seqs)
-        for i in range(1, len(seqs)):
-            starts[i] = starts[i - 1] + len(inputs[i - 1].tokens) - inputs[i - 1].logits_from
+        starts = [0, *accumulate(len(x.tokens) - x.logits_from for x in inputs[:-1])]
         draws = StepDraws.of(seqs) if self.runner.backend.verifies_on_device else None
         if draws is not None:
             verified, wait_s = verify_on_device(drafts, logits, starts, draws.prefixes, draws.offsets, draws.params)
@@ -279,32 +276,35 @@ class Engine:
 
         return verify(drafts, draw)
 
-    def _commit(self, seq: Sequence, verified: Verified) -> StepEvent:
-        """Append the accepted tokens and the bonus token (stopping at EOS, a stop string or the length
-        limit) and keep the accepted path's keys/values."""
-        path, output = verified.path, seq.output_ids
-        if path:
-            self.runner.commit(seq.slot, seq.num_cached, [0] + [j + 1 for j in path])
-        # fed tokens + accepted drafts; the bonus is not cached
-        seq.num_cached = len(seq.prompt_ids) + len(output) + len(path)
-        if not output:
-            seq.first_token = time.perf_counter()
-        reason, before = None, len(output)
-        for tok, lp in zip(verified.tokens, verified.logprobs):
-            output.append(tok)
-            seq.logprobs.append(lp)
-            reason = finish_reason(seq, self.eos_token_ids, self.tokenizer, self.max_model_len)
+    def _commit(self, seqs: list[Sequence], verified: list[Verified]) -> list[StepEvent]:
+        """Each sequence appends its accepted tokens and the bonus token (stopping at EOS, a stop string or the
+        length limit) and keeps the accepted path's keys/values; counts the step's forward."""
+        events, generated, eos, now = [], 0, self.eos_token_ids, time.perf_counter()
+        for seq, v in zip(seqs, verified):
+            path, tokens, output = v.path, v.tokens, seq.output_ids
+            seq.forwards += 1
+            if path:
+                self.runner.commit(seq.slot, seq.num_cached, [0] + [j + 1 for j in path])
+            if not output:
+                seq.first_token = now
+            seq.num_cached = len(seq.prompt_ids) + len(output) + len(path)  # fed + accepted; the bonus is not cached
+            reason = None
+            for k, tok in enumerate(tokens):  # a plain step's: one
+                output.append(tok)
+                seq.logprobs.append(v.logprobs[k])
+                reason = finish_reason(seq, eos, self.tokenizer, self.max_model_len)
+                if reason is not None:
+                    tokens = tokens[: k + 1]
+                    break
+            generated += len(tokens)
             if reason is not None:
-                break
-        appended = output[before:]
-        self.stats.generated_tokens += len(appended)
-        if reason is None:
-            return StepEvent(seq.request_id, appended, None)
-        seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        if self.tokenizer is not None:
-            seq.text = answer_text(seq, self.tokenizer)
-        return StepEvent(seq.request_id, appended, seq.to_output())
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                if self.tokenizer is not None:
+                    seq.text = answer_text(seq, self.tokenizer)
+            events.append(StepEvent(seq.request_id, tokens, None if reason is None else seq.to_output()))
+        self.stats.generated_tokens += generated
+        return events
 
     # ---- batch API ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -312,9 +312,9 @@ class Engine:
                  on_event: Callable[[StepEvent], None] | None = None, continuations: Iterable[Continuation] = (),
                  between_steps: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run prompts (token ids) and adopted `continuations` to completion (the continuations queued first);
-        results in input order, the continuations' after the prompts'. An invalid request is rejected alone:
-        its result has finish_reason "error" and the message, the others complete. `between_steps` runs before every step (a step
-        boundary): a request it hands over (`extract`) has no result here."""
+        results in input order, the continuations' after the prompts'. An invalid request is rejected alone: its
+        result has finish_reason "error" and the message, the others complete. `between_steps` runs before every
+        step (a step boundary): a request it hands over (`extract`) has no result here."""
         continuations = list(continuations)
         if not prompts and not continuations:
             raise ValueError("generate() got an empty prompt list")
@@ -333,8 +333,7 @@ class Engine:
             except ValueError as e:
                 results[rid] = RequestOutput(rid, list(prompt), [], [], "error", error=str(e))
         ids += [c.request_id for c in continuations]
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not progress)
-        bar.update(len(results))
+        bar = tqdm(total=len(ids), initial=len(results), desc="generate", unit="req", disable=not progress)
         while self.has_unfinished():
             if between_steps is not None:
                 between_steps()
@@ -344,7 +343,8 @@ class Engine:
                 if ev.output is not None:
                     results[ev.request_id] = ev.output
                     bar.update(1)
-            bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
+            if progress:  # a disabled bar formats it all the same, between two steps (a GPU waits)
+                bar.set_postfix(tok_s=f"{self.stats.generated_tokens / max(self.stats.busy_s, 1e-9):.0f}")
         bar.close()
         return [results[rid] for rid in ids if rid in results]
 

@@ -100,6 +100,10 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def room(self, max_model_len: int) -> int:
+        """The tokens it may still append: before its max_tokens and the end of a `max_model_len` context."""
+        return min(self.params.max_tokens - len(self.output_ids), max_model_len - self.num_tokens)
+
     @property
     def uncached_ids(self) -> list[int]:
         """Tokens the next forward must feed: the whole prompt at first, then the last sampled token."""
