@@ -3,6 +3,13 @@ tokens, forwards and seconds, as `RayPool` plans them) beside what it did (token
 tokens per sequence-forward, prefill tokens, busy and wall seconds). Counts are load-independent; seconds are not.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python scripts/pipe_per_worker.py [--schedules static,least_loaded,histopipe]
+        [--cost-from FILE]
+
+`--cost-from`: a `CostModel` JSON file (as `bench pipe --cost-from`) given to every worker's speculator;
+without it each worker measures its own at start-up. The first JSON line also holds each worker's cost model
+as its speculator holds it after epoch 1 (`cost`: a plain full-batch step and one verifying 8 drafts a
+sequence; `ratio`: the online correction's measured/predicted by (batch bucket, drafting)) and epoch 1's
+per-worker counts.
 
 histopipe plans in predicted forwards (`histopipe.pricing`), histopipe_tokens in tokens (the old pricing);
 both on epoch 1's tokens per forward. Prints one JSON object per (round, schedule) on stdout; progress on stderr.
@@ -17,7 +24,9 @@ import sys
 import time
 
 from rhymerl.bench.pipe_real import MAX_DRAFT_TOKENS, RECORDED, policy_and_prompts
+from rhymerl.bench.pipe_bench import load_cost_model
 from rhymerl.config import RolloutSection
+from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.batching import decode_costs, worker_time
 from rhymerl.histopipe.predict import LengthPredictor
@@ -33,11 +42,29 @@ def per_request(outputs, n: int) -> list[dict]:
             for i, o in enumerate(outputs)]
 
 
+def worker_cost(state: dict | None, slots: int) -> dict | None:
+    """A worker's speculator cost model in two figures (a plain full batch; the same batch verifying 8 draft
+    tokens a sequence) and its online correction (`Speculator._ratio`, when the state holds it)."""
+    if not state or "cost" not in state:
+        return None
+    cost = CostModel.from_dict(state["cost"])
+    return {"plain_s": round(cost.step(slots, slots), 4), "draft8_s": round(cost.step(slots, slots, 8 * slots, 8), 4),
+            "measured": cost.measured, "ratio": state.get("ratio"), "idle": state.get("idle")}
+
+
+def worker_counts(stats) -> dict:
+    """A worker's call counts (load-independent): tokens, forwards, drafted, accepted."""
+    e, sp = stats.engine, stats.spec
+    return {"worker": stats.worker, "tokens": e.generated_tokens, "forwards": e.forward_passes,
+            "drafted": sp.drafted if sp else 0, "accepted": sp.accepted if sp else 0, "busy_s": round(e.busy_s, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedules", default="static,least_loaded,histopipe,histopipe_tokens")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=RECORDED.prompts)
+    ap.add_argument("--cost-from", default=None, help="a CostModel JSON file for every worker (default: measured)")
     args = ap.parse_args()
     w = RECORDED
     slots = max(1, min(w.slots, args.prompts * w.num_generations // 2 // 4))
@@ -45,7 +72,9 @@ def main() -> None:
     section = RolloutSection(backend="ray", num_workers=2, num_slots=slots, dtype="fp32", speculative="histospec",
                              max_draft_tokens=MAX_DRAFT_TOKENS, schedule="histopipe", tier2=True)
     config = WorkerConfig(section, max_model_len=max(map(len, prompts)) + w.max_tokens + 1)
-    pool = make_pool(config, "", policy, tokenizer, model_dir, HistoryStore(), seed=0, device="cpu")
+    cost_model = load_cost_model(args.cost_from) if args.cost_from else None
+    pool = make_pool(config, "", policy, tokenizer, model_dir, HistoryStore(), seed=0, device="cpu",
+                     cost_model=cost_model)
 
     def groups(tag):
         return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(w.num_generations)]) for i, p in enumerate(prompts)]
@@ -56,7 +85,9 @@ def main() -> None:
         for i, p in enumerate(prompts):
             pool.record(p, [o.token_ids for o in first.outputs[i * n:(i + 1) * n]])
         print("epoch 1 recorded", file=sys.stderr)
-        print(json.dumps({"epoch1": per_request(first.outputs, n)}), flush=True)
+        print(json.dumps({"epoch1": per_request(first.outputs, n), "cost_from": args.cost_from,
+                          "worker_costs": [worker_cost(s, slots) for s in pool.spec_state()],
+                          "epoch1_workers": [worker_counts(s) for s in first.workers]}), flush=True)
         params = SamplingParams(temperature=w.temperature, max_tokens=w.max_tokens, seed=2000)
         cost = pool._plan_cost()
         step_cost, flat = decode_costs(cost, slots), [0.0] + [1.0] * slots

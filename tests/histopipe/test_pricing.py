@@ -14,7 +14,7 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.batching import worker_time
 from rhymerl.histopipe.plan import plan_pieces
-from rhymerl.histopipe.pricing import FlatStepCost, TokensPerForward, speculative_step_cost
+from rhymerl.histopipe.pricing import PRIOR_FORWARDS, FlatStepCost, TokensPerForward, speculative_step_cost
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 
@@ -28,7 +28,7 @@ def out(prompt, tokens, forwards):
 
 
 def test_rates_per_prompt_with_their_fallbacks():
-    rates = TokensPerForward(decay=0.5)
+    rates = TokensPerForward(decay=0.5, prior_forwards=0)  # each prompt's own rate (the shrinkage: below)
     assert rates.rate([1, 2]) == 1.0  # nothing seen: token pricing
     rates.observe([out([1, 2], 40, 10), out([1, 2], 20, 5), out([3], 10, 10), out([4], 0, 0), out([6], 3, 0)])
     assert rates.rate([1, 2]) == pytest.approx(4.0)
@@ -41,6 +41,26 @@ def test_rates_per_prompt_with_their_fallbacks():
     assert rates.rate([3]) == 1.0
     with pytest.raises(ValueError, match="decay"):
         TokensPerForward(decay=1.0)
+    with pytest.raises(ValueError, match="prior_forwards"):
+        TokensPerForward(prior_forwards=-1)
+
+
+def test_a_rate_is_shrunk_toward_the_mean_by_the_forwards_that_back_it():
+    """Credibility weighting (pricing's module doc): (tokens + K x mean) / (forwards + K). A prompt seen over
+    a few forwards is priced near the pool's mean whatever its own rate; one backed by many keeps most of its
+    own; more calls back a rate with more (decayed) forwards."""
+    k = PRIOR_FORWARDS
+    rates = TokensPerForward(decay=0.5)
+    rates.observe([out([1], 40, 10), out([2], 1000, 1000), out([3], 3000, 1000)])
+    mean = 4040 / 2010
+    assert rates.rate([1]) == pytest.approx((40 + k * mean) / (10 + k))  # 4.0 seen: about 2.1
+    assert rates.rate([1]) < 0.6 * 4.0
+    assert rates.rate([3]) == pytest.approx((3000 + k * mean) / (1000 + k))  # 3.0 seen: about 2.9
+    assert rates.rate([3]) > 0.9 * 3.0
+    assert rates.rate([9]) == pytest.approx(mean)  # never seen: the mean
+    before = rates.rate([1])
+    rates.observe([out([1], 400, 100)])  # a second call at the same 4.0: more evidence, closer to it
+    assert before < rates.rate([1]) < 4.0
 
 
 def test_a_speculative_step_costs_a_full_batch_whatever_its_sequences():
@@ -54,7 +74,7 @@ def test_forward_pricing_balances_the_forwards_token_pricing_did_not():
     """Three one-request groups on two one-slot workers: A 120 tokens drafting at 4 tokens per forward, B 70
     and C 60 at 1. Token pricing puts A alone (120 tokens) and B with C (130 tokens, 130 forwards); forward
     pricing B alone and A with C: 70 and 90 forwards."""
-    rates = TokensPerForward()
+    rates = TokensPerForward(prior_forwards=0)  # the rates as observed
     prompts = [[1], [2], [3]]
     rates.observe([out([1], 120, 30), out([2], 70, 70), out([3], 60, 60)])
     tokens = [[120.0], [70.0], [60.0]]

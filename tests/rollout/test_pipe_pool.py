@@ -100,7 +100,7 @@ def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy
     for i, p in enumerate(prompts):
         pool.record(p, [[5] * (36 if i == 0 else 12)] * 4)
     gs = groups(prompts, 4, "f")
-    pool.rates = TokensPerForward()
+    pool.rates = TokensPerForward(prior_forwards=0)  # the rates as observed (the shrinkage: test_pricing.py)
     pool.rates.observe([SimpleNamespace(prompt_ids=p, token_ids=[5] * 40, forwards=10 if i == 0 else 40)
                         for i, p in enumerate(prompts)])
     plans = {}

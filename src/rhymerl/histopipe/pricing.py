@@ -20,6 +20,16 @@ full batch's (`speculative_step_cost`). The continuous-batching model run on tho
 worker's forwards exactly (tested: it is the same discrete process), so the planner balances what the
 workers' seconds follow. With speculation off every rate is 1 and the cost model is used as it is: one
 model, of which token pricing is the special case the simulator runs.
+
+A prompt's rate from one call is more noise than signal: it follows the drafting of the worker that ran it,
+which follows that worker's timing (its start-up cost model, its online correction, the pause when drafts
+stop paying). Three runs of the same code on the same tokens (notebook 2026-11-27-e-plan) gave one prompt
+1.07, 2.26 and 1.43 tokens per forward; over the twelve prompts the run-to-run variance of a prompt's rate
+(0.39) exceeded the spread of the prompts' true rates (0.31). So a prompt's rate is shrunk toward the pool's
+mean by the forwards that back it (credibility weighting): (tokens + K x mean) / (forwards + K), K =
+`PRIOR_FORWARDS`, the noise per forward over the spread of true rates measured there (143). A prompt with a
+few dozen forwards is priced near the mean; one with several hundred, or seen over several calls, keeps most
+of its own rate.
 """
 
 from __future__ import annotations
@@ -30,17 +40,24 @@ from rhymerl.histopipe.batching import Cost
 from rhymerl.history import prompt_key
 
 MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
+# The prior's weight in forwards: a prompt's own rate counts as much as the pool's mean once this many
+# (decayed) forwards back it. Measured on the recorded workload (module doc): run-to-run variance of a
+# prompt's rate x its forwards (44.6) over the variance of the prompts' true rates (0.31), rounded.
+PRIOR_FORWARDS = 150.0
 
 
 class TokensPerForward:
     """Per prompt, the tokens a request committed per forward it took part in, over the last calls that ran
-    the prompt (`observe`); `rate(prompt)` falls back to the mean over every prompt seen, else 1.0 (token
+    the prompt (`observe`), shrunk toward the mean over every prompt seen by `prior_forwards` (see the module
+    doc; 0: the prompt's own rate); `rate(prompt)` is that mean for a prompt never seen, else 1.0 (token
     pricing). `decay`: the weight of the older calls against the newest (0: the newest alone)."""
 
-    def __init__(self, decay: float = 0.5):
+    def __init__(self, decay: float = 0.5, prior_forwards: float = PRIOR_FORWARDS):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
+        if prior_forwards < 0:
+            raise ValueError(f"prior_forwards must be >= 0, got {prior_forwards}")
+        self.decay, self.prior_forwards = decay, prior_forwards
         self._rates: dict[str, tuple[float, float]] = {}  # prompt key -> (decayed tokens, decayed forwards)
 
     def observe(self, outputs) -> None:
@@ -57,14 +74,16 @@ class TokensPerForward:
             self._rates[key] = (self.decay * old_t + tokens, self.decay * old_f + forwards)
 
     def rate(self, prompt_ids: Sequence[int]) -> float:
-        """The prompt's tokens per forward (at least MIN_RATE); the mean of all prompts' when it has none."""
+        """The prompt's tokens per forward shrunk toward the mean of all prompts' (at least MIN_RATE); the mean
+        when it has none."""
+        if not self._rates:
+            return MIN_RATE
+        tokens = sum(t for t, _ in self._rates.values())
+        mean = tokens / max(sum(f for _, f in self._rates.values()), 1e-9)
         got = self._rates.get(prompt_key(prompt_ids))
         if got is None:
-            if not self._rates:
-                return MIN_RATE
-            tokens = sum(t for t, _ in self._rates.values())
-            got = (tokens, sum(f for _, f in self._rates.values()))
-        return max(MIN_RATE, got[0] / max(got[1], 1e-9))
+            return max(MIN_RATE, mean)
+        return max(MIN_RATE, (got[0] + self.prior_forwards * mean) / (got[1] + self.prior_forwards))
 
     def forwards(self, prompt_ids: Sequence[int], predicted: Sequence[float]) -> list[float]:
         """Predicted lengths (tokens) of the prompt's requests as predicted forwards."""
@@ -72,7 +91,8 @@ class TokensPerForward:
         return [p / r for p in predicted]
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "rates": {k: list(v) for k, v in self._rates.items()}}
+        return {"decay": self.decay, "prior_forwards": self.prior_forwards,
+                "rates": {k: list(v) for k, v in self._rates.items()}}
 
 
 class FlatStepCost:
