@@ -196,3 +196,16 @@ def test_a_hung_worker_times_out_and_one_failing_too_often_is_dropped(pool, poli
     os.kill(pool.pids[0], signal.SIGKILL)
     with pytest.raises(WorkersFailed, match="no rollout worker is left"):
         pool.rollout(groups(prompts), LONG)
+
+
+def test_the_workers_draft_from_the_first_workers_measured_cost_model(cluster, policy, peaky_dir):
+    """Without a cost model given, the first worker measures one and the others start with it (ray_pool's
+    module doc: workers measuring their own under each other's load drafted differently), and the plan
+    prices with the same model."""
+    pool = RayPool(policy, None, peaky_dir, CONFIG, HistoryStore(), num_workers=2)
+    try:
+        first, second = (s["cost"] for s in pool.spec_state())
+        assert first["measured"] and first == second
+        assert pool._plan_cost().as_dict() == first
+    finally:
+        pool.close()

@@ -23,11 +23,12 @@ model, of which token pricing is the special case the simulator runs.
 
 A prompt's rate from one call is more noise than signal: it follows the drafting of the worker that ran it,
 which follows that worker's timing (its start-up cost model, its online correction, the pause when drafts
-stop paying). Three runs of the same code on the same tokens (notebook 2026-11-27-e-plan) gave one prompt
-1.07, 2.26 and 1.43 tokens per forward; over the twelve prompts the run-to-run variance of a prompt's rate
-(0.39) exceeded the spread of the prompts' true rates (0.31). So a prompt's rate is shrunk toward the pool's
-mean by the forwards that back it (credibility weighting): (tokens + K x mean) / (forwards + K), K =
-`PRIOR_FORWARDS`, the noise per forward over the spread of true rates measured there (143). A prompt with a
+stop paying). Four runs on the same tokens (notebook 2026-11-27-e-plan) gave one prompt 1.07, 2.26, 1.43
+and 2.35 tokens per forward; over the twelve prompts the run-to-run variance of a prompt's rate (0.32 to
+0.39) was as large as the spread of the prompts' true rates (0.31 to 0.35). So a prompt's rate is shrunk
+toward the pool's mean by the forwards that back it (credibility weighting): (tokens + K x mean) /
+(forwards + K), K = `PRIOR_FORWARDS`, the noise per forward over the spread of true rates measured there
+(105 over four runs, 143 over three of them). A prompt with a
 few dozen forwards is priced near the mean; one with several hundred, or seen over several calls, keeps most
 of its own rate.
 """
@@ -42,8 +43,8 @@ from rhymerl.history import prompt_key
 MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
 # The prior's weight in forwards: a prompt's own rate counts as much as the pool's mean once this many
 # (decayed) forwards back it. Measured on the recorded workload (module doc): run-to-run variance of a
-# prompt's rate x its forwards (44.6) over the variance of the prompts' true rates (0.31), rounded.
-PRIOR_FORWARDS = 150.0
+# prompt's rate x its forwards over the variance of the prompts' true rates, 105 to 143.
+PRIOR_FORWARDS = 120.0
 
 
 class TokensPerForward:

@@ -7,6 +7,10 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
   already connected (a test's cluster) keeps its connection.
 - **Workers**: each actor gets its share of the cluster's CPUs (`worker_resources`; one GPU each on CUDA:
   more workers than GPUs are refused, Ray would wait forever) and what it needs to build its worker.
+  HistoSpec's cost model is the pool's when given; else the first worker measures one at start-up and every
+  other worker (a replacement too) starts with it: workers that measured their own under each other's load
+  got models 2x apart and drafted differently, so a prompt's tokens per forward depended on its worker
+  (notebook 2026-11-27-e-plan). Each worker still corrects its copy online against its own steps.
 - **Weights**: `load_weights` puts them in the object store once (cast to the rollout dtype, on the CPU) and
   every worker loads that one object; a worker refuses a rollout on any other version than the one it holds
   (`StaleWeightsError`, raised through Ray).
@@ -136,8 +140,12 @@ class RayPool:
         self._new_actor = WorkerActor.options(num_cpus=cpus, num_gpus=gpus).remote
         self._args = (str(model_dir), ray.put(tokenizer), config, seed, device, self.threads)
         self._cost_model = cost_model
-        self._measured_cost: CostModel | None = None  # a worker's, asked once for the plan (`_plan_cost`)
-        self.actors = {w: self._spawn(w) for w in range(num_workers)}  # the live workers, by id
+        self._measured_cost: CostModel | None = None  # the first worker's, for the others and the plan
+        self.actors = {}  # the live workers, by id
+        if cost_model is None and config.rollout.speculative != "off" and num_workers > 1:
+            self.actors[0] = self._spawn(0)  # it measures; the others start with its model (module doc)
+            self._measured_cost = self._asked_cost(self.actors[0])
+        self.actors |= {w: self._spawn(w) for w in range(num_workers) if w not in self.actors}
         self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))  # built
 
     @property
@@ -157,7 +165,7 @@ class RayPool:
     def _spawn(self, worker: int):
         model_dir, tokenizer, config, seed, device, threads = self._args
         return self._new_actor(model_dir, tokenizer, config, worker, seed, device, threads, self._weights,
-                               self.weights_version, self._cost_model)
+                               self.weights_version, self._cost_model or self._measured_cost)
 
     def replace_worker(self, worker: int, why: str) -> bool:
         """After `worker` failed: a fresh actor for it on the current weights (its history replica refills from
@@ -230,12 +238,16 @@ class RayPool:
         """The cost model `histopipe` plans with: the pool's, else the one the workers measured at start-up
         (HistoSpec's, asked of one worker once), else `DEFAULT_PLAN_COST`."""
         if self._cost_model is None and self._measured_cost is None and self.config.rollout.speculative != "off":
-            try:
-                state = ray.get(next(iter(self.actors.values())).spec_state.remote(), timeout=self.timeout_s)
-            except (RayActorError, GetTimeoutError):
-                state = None
-            self._measured_cost = CostModel.from_dict(state["cost"]) if state and "cost" in state else None
+            self._measured_cost = self._asked_cost(next(iter(self.actors.values())))
         return self._cost_model or self._measured_cost or DEFAULT_PLAN_COST
+
+    def _asked_cost(self, actor) -> CostModel | None:
+        """The cost model `actor`'s speculator holds (None when it does not answer or holds none)."""
+        try:
+            state = ray.get(actor.spec_state.remote(), timeout=self.timeout_s)
+        except (RayActorError, GetTimeoutError):
+            return None
+        return CostModel.from_dict(state["cost"]) if state and "cost" in state else None
 
     def load_weights(self, params: dict[str, torch.Tensor], version: int) -> None:
         self._weights, self.weights_version = self._put(params), version  # kept: a replaced worker starts from them
