@@ -69,6 +69,20 @@ def test_static_split_and_resources():
     assert worker_resources(4, "cuda", 2.0) == (0.5, 1, 1)
 
 
+def test_the_workers_draft_from_the_first_workers_measured_cost_model(cluster, policy, peaky_dir):
+    """Without a cost model given, the first worker measures one and the others start with it (ray_pool's
+    module doc: workers measuring their own under each other's load drafted differently), and the plan
+    prices with the same model. It runs before the tests that take the module's `pool`: that pool would hold
+    the cluster's 2 CPUs, and this one's workers would wait for them."""
+    pool = RayPool(policy, None, peaky_dir, CONFIG, HistoryStore(), num_workers=2)
+    try:
+        first, second = (s["cost"] for s in pool.spec_state())
+        assert first["measured"] and first == second
+        assert pool._plan_cost().as_dict() == first
+    finally:
+        pool.close()
+
+
 def test_two_workers_give_what_the_local_pool_gives(pool, policy):
     assert ray.get([a.threads.remote() for a in pool.actors.values()]) == [1, 1]  # 2 cores, 2 workers
     prompts = random_prompts(5, seed=7)
@@ -197,15 +211,3 @@ def test_a_hung_worker_times_out_and_one_failing_too_often_is_dropped(pool, poli
     with pytest.raises(WorkersFailed, match="no rollout worker is left"):
         pool.rollout(groups(prompts), LONG)
 
-
-def test_the_workers_draft_from_the_first_workers_measured_cost_model(cluster, policy, peaky_dir):
-    """Without a cost model given, the first worker measures one and the others start with it (ray_pool's
-    module doc: workers measuring their own under each other's load drafted differently), and the plan
-    prices with the same model."""
-    pool = RayPool(policy, None, peaky_dir, CONFIG, HistoryStore(), num_workers=2)
-    try:
-        first, second = (s["cost"] for s in pool.spec_state())
-        assert first["measured"] and first == second
-        assert pool._plan_cost().as_dict() == first
-    finally:
-        pool.close()

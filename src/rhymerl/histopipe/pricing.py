@@ -23,14 +23,13 @@ model, of which token pricing is the special case the simulator runs.
 
 A prompt's rate from one call is more noise than signal: it follows the drafting of the worker that ran it,
 which follows that worker's timing (its start-up cost model, its online correction, the pause when drafts
-stop paying). Four runs on the same tokens (notebook 2026-11-27-e-plan) gave one prompt 1.07, 2.26, 1.43
-and 2.35 tokens per forward; over the twelve prompts the run-to-run variance of a prompt's rate (0.32 to
-0.39) was as large as the spread of the prompts' true rates (0.31 to 0.35). So a prompt's rate is shrunk
-toward the pool's mean by the forwards that back it (credibility weighting): (tokens + K x mean) /
-(forwards + K), K = `PRIOR_FORWARDS`, the noise per forward over the spread of true rates measured there
-(105 over four runs, 143 over three of them). A prompt with a
-few dozen forwards is priced near the mean; one with several hundred, or seen over several calls, keeps most
-of its own rate.
+stop paying). Four runs on the same tokens (the notebook entry docs/design.md, section 4, Pricing cites)
+gave one prompt 1.07, 2.26, 1.43 and 2.35 tokens per forward; over the twelve prompts the run-to-run
+variance of a prompt's rate (0.32) was as large as the spread of the prompts' true rates (0.35). So a
+prompt's rate is shrunk toward the pool's mean by the forwards that back it (credibility weighting):
+(tokens + K x mean) / (forwards + K), K = `PRIOR_FORWARDS`, the noise per forward over the spread of true
+rates measured there (105 over the four runs, 143 over the first three). A prompt with a few dozen forwards
+is priced near the mean; one with several hundred, or seen over several calls, keeps most of its own rate.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
   HistoSpec's cost model is the pool's when given; else the first worker measures one at start-up and every
   other worker (a replacement too) starts with it: workers that measured their own under each other's load
   got models 2x apart and drafted differently, so a prompt's tokens per forward depended on its worker
-  (notebook 2026-11-27-e-plan). Each worker still corrects its copy online against its own steps.
+  (docs/design.md, section 4, Pricing). Each worker still corrects its copy online against its own steps.
 - **Weights**: `load_weights` puts them in the object store once (cast to the rollout dtype, on the CPU) and
   every worker loads that one object; a worker refuses a rollout on any other version than the one it holds
   (`StaleWeightsError`, raised through Ray).
