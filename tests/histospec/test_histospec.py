@@ -1,5 +1,7 @@
 """HistoSpec in the engine: lossless verification, identity with plain decoding, the budget."""
 
+import time
+
 import pytest
 import torch
 
@@ -487,3 +489,18 @@ def test_calibration_learns_that_deep_edges_continue_more_often():
     assert calib[8:] == pytest.approx([calib[7]] * 24, abs=0.05)  # never observed: borrowed from above
     (draft,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
     assert len(draft.tokens) > 16
+
+
+def test_waiting_for_a_core_while_drafting_does_not_count_as_drafting_time():
+    """Two workers on shared cores: one descheduled while it drafts (here the drafter sleeps: wall time, no
+    CPU time) has not spent that wait drafting. Priced by the wall clock, the 50 ms wait exceeds what a
+    copying draft saves where a forward takes 1 ms, and drafting paused after PROBE_EVERY + 1 steps; priced
+    by the thread's CPU time, it goes on."""
+    spec, state = copier(0.01, 8, unit=1e-3)
+    draft = spec.drafter.draft
+    spec.drafter.draft = lambda *a, **k: time.sleep(0.05) or draft(*a, **k)
+    for _ in range(PROBE_EVERY + 1):
+        assert not spec.drafting_paused(1)
+        (kept,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+        assert kept.tokens == RESPONSE[: len(kept.tokens)] != []
+    assert not spec.drafting_paused(1)

@@ -187,7 +187,7 @@ class Speculator:
           one, which a budget by value alone would starve.
 
         Measured with `rhymerl bench spec` (docs/notebook, bench spec at e908d1a)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         bucket = seqs.bit_length()
         idle = self._idle.get(bucket, 0)
         drafts, skipped = self._draft_each(contexts, specs, max_depths or [None] * len(specs))
@@ -203,7 +203,7 @@ class Speculator:
 
         choose = budget.uniform_cap if draining else budget.top_nodes
         keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
-        pays = self._pays(ranked, keep, plain_cost, step_cost(extra, max(keep, default=0)), t0)
+        pays = self._pays(ranked, keep, plain_cost, step_cost(extra, max(keep, default=0)), cpu0)
         if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
             limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
             extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
@@ -242,16 +242,18 @@ class Speculator:
         return [[v[j] for j in o] for v, o in zip(values, order)], order
 
     @staticmethod
-    def _pays(ranked: list[list[float]], keep: list[int], plain_cost: float, kept_cost: float, t0: float) -> bool:
+    def _pays(ranked: list[list[float]], keep: list[int], plain_cost: float, kept_cost: float, cpu0: float) -> bool:
         """Whether proposing paid, for the step-level pause: the time the kept drafts are expected to save
         (plain decoding would take longer to commit the same tokens; `kept_cost`: the step's predicted time
-        with them) must exceed the time drafting took since `t0`. The kept drafts are verified either way, but
+        with them) must exceed the time drafting took since `cpu0`. The kept drafts are verified either way, but
         a step that saves less counts as idle: at a high temperature a few promising-looking drafts per step
         otherwise kept every sequence drafting, for fewer tokens than the drafting cost (docs/notebook, bench
-        spec at 919e14e)."""
+        spec at 919e14e). Drafting's time is this thread's CPU time, not the wall clock's: where workers share
+        cores, a worker descheduled while it drafted would read the wait as drafting's cost and pause drafting,
+        which its probes, up to 64 steps apart, may not resume within a call (docs/design.md, section 7)."""
         gain = sum(sum(r[:k]) for r, k in zip(ranked, keep))
         saved = (len(ranked) + gain) * plain_cost / len(ranked) - kept_cost if any(keep) else 0.0
-        return saved > time.perf_counter() - t0
+        return saved > time.thread_time() - cpu0
 
     @staticmethod
     def _count_rounds(specs: list[SeqSpec], keep: list[int], skipped: list[bool]) -> None:
