@@ -91,15 +91,20 @@ def test_the_measured_host_time_is_saved_with_the_speculator():
 
 
 class StatedClock:
-    """`time.perf_counter` for the speculator: a planning step's drafting takes the stated time, whatever the
-    load on this CPU (`plan` reads the clock when it starts, when it weighs the pause and when it ends)."""
+    """`time` for the speculator: a planning step's drafting takes the stated time, whatever the load on this
+    CPU. `plan` reads the wall clock when it starts and when it ends (its drafting time: the stated one), and
+    the thread's CPU clock when it starts and when it weighs the pause (half of it is done by then)."""
 
     def __init__(self, drafting_s: float):
-        self.now, self.tick = 0.0, drafting_s / 2
+        self.wall, self.cpu, self.drafting_s = 0.0, 0.0, drafting_s
 
     def perf_counter(self) -> float:
-        self.now += self.tick
-        return self.now
+        self.wall += self.drafting_s
+        return self.wall
+
+    def thread_time(self) -> float:
+        self.cpu += self.drafting_s / 2
+        return self.cpu
 
 
 def simulate(monkeypatch, c: float, seqs: int, steps: int = 200) -> tuple[float, list[int]]:
