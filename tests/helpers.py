@@ -15,9 +15,10 @@ import torch
 from rhymerl.config import RolloutSection, TrainSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
-from rhymerl.engine.sampler import BLOCK, filtered_probs
+from rhymerl.engine.sampler import BLOCK, filtered_probs, sample
 from rhymerl.engine.sampling_params import SamplingParams, _splitmix64, draw_key, request_key
 from rhymerl.histospec.speculator import Speculator
+from rhymerl.histospec.verify import verify
 from rhymerl.history import HistoryStore
 from rhymerl.metrics import read_metrics
 from rhymerl.rl.logprobs import Sample
@@ -181,3 +182,12 @@ def reference_generate(model, prompt, params, request_id, eos=()):
         if tok in eos:
             break
     return ids[len(prompt):], logps
+
+
+def host_walk(drafts, logits, starts, keys, offsets, params):
+    """`histospec.verify` with the engine's draws: node n of sequence i at row starts[i] + n + 1."""
+    def draw(live, nodes, depths):
+        rows = [starts[i] + n + 1 for i, n in zip(live, nodes)]
+        return sample(logits, params, [draw_key(params.seed, keys[i], offsets[i] + d) for i, d in zip(live, depths)],
+                      rows=rows)
+    return verify(drafts, draw)

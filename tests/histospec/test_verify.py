@@ -8,10 +8,10 @@ import torch
 
 from rhymerl.engine.backends.op_trace import OpTrace
 from rhymerl.engine.device_verification import verify_on_device, walk
-from rhymerl.engine.sampler import draw_keys, sample, sample_tensors
+from rhymerl.engine.sampler import draw_keys, sample_tensors
 from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
 from rhymerl.histospec.drafter import Draft
-from rhymerl.histospec.verify import verify
+from helpers import host_walk
 
 VOCAB = 5  # few tokens and peaked logits: draws often match a draft's tokens, so walks go deep
 
@@ -26,15 +26,6 @@ def random_draft(rng: random.Random) -> Draft:
             tokens.append(t)
             parents.append(p)
     return Draft(tokens=tokens, parents=parents)
-
-
-def host_walk(drafts, logits, starts, keys, offsets, params):
-    """`histospec.verify` with the engine's draws: node n of sequence i at row starts[i] + n + 1."""
-    def draw(live, nodes, depths):
-        rows = [starts[i] + n + 1 for i, n in zip(live, nodes)]
-        return sample(logits, params, [draw_key(params.seed, keys[i], offsets[i] + d) for i, d in zip(live, depths)],
-                      rows=rows)
-    return verify(drafts, draw)
 
 
 def test_draw_keys_are_draw_key_bit_for_bit():

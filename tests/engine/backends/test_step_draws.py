@@ -15,11 +15,9 @@ from rhymerl.engine.device_verification import StepDraws, read_drawn, walk
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import SlotInput, _ancestors
-from rhymerl.engine.sampler import sample
-from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
+from rhymerl.engine.sampling_params import SamplingParams, draw_prefix, request_key
 from rhymerl.histospec.drafter import Draft
-from rhymerl.histospec.verify import verify
-from helpers import history_of, peaky, speculator
+from helpers import history_of, host_walk, peaky, speculator
 from tiny_models import random_prompts, tiny_decoder
 
 PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=0.6, seed=4),
@@ -49,15 +47,6 @@ def test_in_step_draws_give_the_tokens_of_the_draws_after_the_step(temperature):
         assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
         assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]  # bit for bit
         assert drawn_steps.count(True) == drawn_steps.count(False) > 0
-
-
-def host_walk(drafts, logits, starts, keys, offsets, params):
-    """`histospec.verify` with the engine's draws: node n of sequence i at row starts[i] + n + 1."""
-    def draw(live, nodes, depths):
-        rows = [starts[i] + n + 1 for i, n in zip(live, nodes)]
-        return sample(logits, params, [draw_key(params.seed, keys[i], offsets[i] + d) for i, d in zip(live, depths)],
-                      rows=rows)
-    return verify(drafts, draw)
 
 
 def random_tree(rng: random.Random, vocab: int, most: int) -> tuple[list[int], list[int]]:
