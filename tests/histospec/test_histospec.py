@@ -504,3 +504,49 @@ def test_waiting_for_a_core_while_drafting_does_not_count_as_drafting_time():
         (kept,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
         assert kept.tokens == RESPONSE[: len(kept.tokens)] != []
     assert not spec.drafting_paused(1)
+
+
+class CpuClock:
+    """`time` for the speculator: each reading of the thread's CPU clock is `drafting_s` later than the one
+    before (so a plan's drafting takes that CPU time, whatever the load on this machine); the wall clock
+    stands still."""
+
+    def __init__(self, drafting_s: float):
+        self.cpu, self.drafting_s = 0.0, drafting_s
+
+    def thread_time(self) -> float:
+        self.cpu += self.drafting_s
+        return self.cpu
+
+    def perf_counter(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("measured_over_predicted, pauses", [(4.0, False), (1.0, True)])
+def test_the_pause_weighs_drafting_against_the_steps_measured_seconds(monkeypatch, measured_over_predicted,
+                                                                      pauses):
+    """A pool's first worker measures the cost model alone, and the steps then run at 1.8-2.9x its seconds
+    (the online correction's measured/predicted ratio, two Ray workers on two cores). A copying draft saves
+    about 5 ms of the model's seconds per step here, and drafting takes 10 ms of CPU time: at 4x the model's
+    seconds it saves 20 ms and pays, at 1x it does not. Priced in the model's own seconds, the pause stopped
+    drafting after PROBE_EVERY steps in both cases."""
+    from rhymerl.histospec import speculator as speculator_module
+
+    monkeypatch.setattr(speculator_module, "time", CpuClock(0.010))
+    history = HistoryStore()
+    history.record_rollout(PROMPT, [RESPONSE])
+    unit = 1e-3  # a plain step of one sequence: 1 ms by the model, 0.01 ms more per further token
+    linear = CostModel([1, 2], [1, 64], [[unit, 1.63 * unit]] * 2, measured=True)
+    spec = Speculator(linear, history, rule="cost", max_draft_tokens=8)
+    big, c = 1e9, 0.9  # the calibration: continuation factor c at every depth
+    r = measured_over_predicted
+    spec.load_state_dict({"calibration": {"num": [[c * big] * 9] * 2, "den": [[big] * 9] * 2},
+                          "ratio": [[1, False, r], [1, True, r]]})
+    state = spec.start("g", PROMPT)
+    paused = []
+    for _ in range(3 * PROBE_EVERY):
+        paused.append(spec.drafting_paused(1))
+        if not paused[-1]:
+            (kept,) = spec.plan([PROMPT[-8:]], [state], base_tokens=1, seqs=1)
+            assert kept.tokens == RESPONSE[: len(kept.tokens)] != []
+    assert any(paused) == pauses

@@ -194,7 +194,8 @@ class Speculator:
         ranked, order = self._rank(drafts)
         # measured/predicted time of drafting steps relative to plain ones, or on a GPU the measured time
         # outside the priced forward and draws, plain and drafting (observe_step)
-        scale = self._ratio.get((bucket, True), 1.0) / self._ratio.get((bucket, False), 1.0)
+        plain_ratio = self._ratio.get((bucket, False), 1.0)
+        scale = self._ratio.get((bucket, True), 1.0) / plain_ratio
         host_plain, host = (budget.host_seconds(self._host, bucket, d) for d in (False, True))
         plain_cost = self.cost.step(base_tokens, seqs) + host_plain
 
@@ -203,7 +204,10 @@ class Speculator:
 
         choose = budget.uniform_cap if draining else budget.top_nodes
         keep, extra = choose(ranked, step_cost, len(contexts) / plain_cost)
-        pays = self._pays(ranked, keep, plain_cost, step_cost(extra, max(keep, default=0)), cpu0)
+        # the pause weighs the saving against measured seconds, so it prices the steps in measured seconds too
+        # (the model's x the plain steps' measured/predicted ratio; a GPU's padded model adds `host` instead)
+        pays = self._pays(ranked, keep, plain_cost * plain_ratio,
+                          step_cost(extra, max(keep, default=0)) * plain_ratio, cpu0)
         if idle >= PROBE_EVERY and not pays:  # a probe that finds drafts still do not pay: explore
             limit = (1 + PROBE_SPEND) * step_cost(extra)  # (PROBE_NODES); the step still counts as idle
             extra += budget.explore(ranked, keep, sum(step_cost(extra + j) <= limit
@@ -250,7 +254,11 @@ class Speculator:
         otherwise kept every sequence drafting, for fewer tokens than the drafting cost (docs/notebook, bench
         spec at 919e14e). Drafting's time is this thread's CPU time, not the wall clock's: where workers share
         cores, a worker descheduled while it drafted would read the wait as drafting's cost and pause drafting,
-        which its probes, up to 64 steps apart, may not resume within a call (docs/design.md, section 7)."""
+        which its probes, up to 64 steps apart, may not resume within a call (docs/design.md, section 7).
+        `plain_cost` and `kept_cost` are measured seconds (the cost model's, corrected online): a model measured
+        on a quieter machine than the steps run on (a pool's first worker measures alone, the others start
+        with its model; their steps then took 1.5-2.9x its seconds) priced the saving below what the steps
+        saved, and the pause stopped drafting where steps are fewest: the tail (docs/design.md, section 7)."""
         gain = sum(sum(r[:k]) for r, k in zip(ranked, keep))
         saved = (len(ranked) + gain) * plain_cost / len(ranked) - kept_cost if any(keep) else 0.0
         return saved > time.thread_time() - cpu0
