@@ -525,7 +525,7 @@ class CpuClock:
 @pytest.mark.parametrize("measured_over_predicted, pauses", [(4.0, False), (1.0, True)])
 def test_the_pause_weighs_drafting_against_the_steps_measured_seconds(monkeypatch, measured_over_predicted,
                                                                       pauses):
-    """A pool's first worker measures the cost model alone, and the steps then run at 1.8-2.9x its seconds
+    """A pool's first worker measures the cost model alone, and the steps then ran at up to 2.9x its seconds
     (the online correction's measured/predicted ratio, two Ray workers on two cores). A copying draft saves
     about 5 ms of the model's seconds per step here, and drafting takes 10 ms of CPU time: at 4x the model's
     seconds it saves 20 ms and pays, at 1x it does not. Priced in the model's own seconds, the pause stopped
