@@ -258,7 +258,7 @@ class Speculator:
         `plain_cost` and `kept_cost` are measured seconds (the cost model's, corrected online): a model measured
         on a quieter machine than the steps run on (a pool's first worker measures alone, the others start
         with its model; their steps then took up to 2.9x its seconds) priced the saving below what the steps
-        saved, and the pause stopped drafting where steps are fewest: the tail (docs/design.md, section 7)."""
+        saved, and more steps counted as not paying (docs/design.md, section 7)."""
         gain = sum(sum(r[:k]) for r, k in zip(ranked, keep))
         saved = (len(ranked) + gain) * plain_cost / len(ranked) - kept_cost if any(keep) else 0.0
         return saved > time.thread_time() - cpu0
