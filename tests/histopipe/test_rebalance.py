@@ -9,6 +9,7 @@ from rhymerl.histopipe.fleet import POOL_MIGRATIONS, simulate_fleet
 from rhymerl.histopipe.metrics import makespan
 from rhymerl.histopipe.predict import LengthPredictor
 from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
+from rhymerl.histopipe import rebalance
 from rhymerl.histopipe.rebalance import Batch, attention_work, batches, donors, moves, pool_moves, remaining_work
 
 
@@ -84,13 +85,37 @@ class _Known:
         return 100.0
 
 
-def test_the_pool_prices_tokens_or_given_step_costs_with_the_receivers_load():
-    requests = [_Request(0), _Request(0)]  # two waiting requests predicted 100 tokens each
-    assert pool_moves(requests, _Known(), 4) == [requests[0]]  # in tokens, as sums
-    flat, growing = [0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.5, 2.0, 2.5]
-    assert pool_moves(requests, _Known(), 4, step_cost=flat) == []
-    assert pool_moves(requests, _Known(), 4, step_cost=growing) == [requests[0]]
-    assert pool_moves(requests, _Known(), 4, step_cost=growing, load=60.0) == []
+def test_the_pool_prices_on_the_cost_model_with_the_receivers_load():
+    """`pool_moves` (the rollout worker's rule) on two waiting requests predicted 100 tokens: on a flat step
+    nothing moves, on 0.5 + 0.5 n one does (each side then runs 100 s against 150), unless the receiver's load
+    (60 s) makes it 160."""
+    waiting = [_Request(0), _Request(0)]
+    flat, growing = (lambda tokens, seqs=1: 1.0), (lambda tokens, seqs=1: 0.5 + 0.5 * seqs)
+    assert pool_moves([], waiting, _Known(), flat, 4) == []
+    assert pool_moves([], waiting, _Known(), growing, 4) == [waiting[0]]
+    assert pool_moves([], waiting, _Known(), growing, 4, load=49.0) == [waiting[0]]
+    assert pool_moves([], waiting, _Known(), growing, 4, load=60.0) == []
+    with pytest.raises(ValueError, match="renewed lengths"):
+        pool_moves([], waiting, _Known(), growing, 4, renewed=[1.0])
+
+
+def test_a_waiting_continuation_owes_its_re_prefill_on_either_side(monkeypatch):
+    """A waiting request holding 40 tokens (adopted, not admitted yet) re-prefills them wherever it runs, so
+    moving it saves the donor that re-prefill as well (`Batch.prefills` of the donor, as the simulator's queued
+    moved-in request owes it); a running one re-prefills only on the receiver."""
+    running, waiting = [_Request(40)], [_Request(40)]
+    growing = lambda tokens, seqs=1: 0.5 + 0.5 * seqs  # noqa: E731
+    calls = []
+    real = rebalance.moves
+
+    def recorded(works, prefills, donor=None, receiver=None):
+        calls.append((donor, receiver))
+        return real(works, prefills, donor=donor, receiver=receiver)
+    monkeypatch.setattr(rebalance, "moves", recorded)
+    pool_moves(running, waiting, _Known(), growing, 4)
+    donor, receiver = calls[0]
+    assert receiver.prefills == [40 * 2.5 / 4] * 2  # each token at a full batch's share of a step
+    assert donor.prefills == [0.0, 40 * 2.5 / 4]  # the running one paid its own already
 
 
 def test_the_sync_rule_leaves_a_flat_batch_alone():

@@ -13,6 +13,7 @@ from rhymerl.rollout.early_queue import EarlyQueue
 
 A, B = [1, 2, 3], [4, 5, 6]  # A's history says 100 tokens, B's 10
 PARAMS = SamplingParams(max_tokens=400, seed=1)
+GROWING = lambda tokens, seqs=1: 0.5 + 0.5 * seqs  # noqa: E731  (a step of n sequences: 0.5 + 0.5 n seconds)
 
 
 class Engine:
@@ -110,8 +111,9 @@ def test_a_hand_over_prices_the_held_ones_at_their_renewed_length_and_queues_wha
     engine = started(q)
     engine.run("a0", 90)
     engine.run("b0", 60)  # b1, held, is renewed from b0's 60 tokens
-    plain = pool_moves(engine.unfinished() + q.held, live, 2)  # as rule "remaining": b1 priced at B's 10
-    picked = q.moves(engine, 2)
+    running = [r for r in engine.unfinished() if r.status == Status.RUNNING]
+    plain = pool_moves(running, q.held, live, GROWING, 2)  # as rule "remaining": b1 priced at B's 10
+    picked = q.moves(engine, GROWING)
     assert "b1" in [r.request_id for r in picked] and "b1" not in [r.request_id for r in plain]
     assert "b1" in [r.request_id for r in engine.requests]  # queued, so that the engine can extract it
     assert "b1" not in [h.request_id for h in q.held]

@@ -23,7 +23,7 @@ The rule, asked each time a worker runs dry (no request running or waiting):
   the receiver is idle (the re-prefill makes it worse), and a move from a batch whose step costs the same
   with one sequence fewer (nothing is saved there).
   Pricing both sides at the donor's per-token share step_cost[n] / n (the sums D - W and R + P + W, what
-  `moves` does without `Batch`es, and `pool_moves` by default) underprices a receiver's thin batch and
+  `moves` does without `Batch`es) underprices a receiver's thin batch and
   overprices the donor's saving; where attention dominates a step the two differ little (docs/design.md,
   section 4, "Migration by predicted remaining work", has the measured figures).
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from rhymerl.histopipe.batching import worker_time
+from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefill_cost, worker_time
 
 
 def tokens_left(done: float, length: float) -> float:
@@ -139,28 +139,30 @@ def moves(works: Sequence[float], prefills: Sequence[float], donor_left: float |
     return taken
 
 
-def pool_moves(requests: Sequence, predictor, slots: int, lengths: Sequence[float] | None = None,
-               step_cost: Sequence[float] | None = None, load: float = 0.0) -> list:
+def pool_moves(running: Sequence, waiting: Sequence, predictor, cost: Cost, slots: int, load: float = 0.0,
+               renewed: Sequence[float] | None = None) -> list:
     """The rule on a rollout worker asked to hand over (`RolloutWorker.hand_over`, rule "remaining") for a
-    receiver that has run dry: `requests` its unfinished ones (anything with `prompt_ids` and `output_ids`,
-    the tokens it holds; those holding tokens are running), `predictor` the call's live `LengthPredictor`. A
-    request's length is `predict_past`'s, or `lengths[k]` when given and non-zero (the early warning's renewed
-    length, `early_warning`). Short contexts, attention unpriced. Without `step_cost`, priced in tokens: a
-    request's remaining work is its predicted tokens left, its re-prefill its held tokens at a full batch's
-    share (1 / `slots` of a decode step each, `batching.reprefill_cost`'s token term), both sides as sums.
-    With `step_cost` (seconds of a decode step by batch size, `batching.decode_costs`), in seconds, both
-    sides as batches (`Batch`), the receiver paying `load` seconds of weights load first. The requests to
-    move, in `moves`' order."""
-    done = [len(q.output_ids) for q in requests]
-    given = list(lengths) if lengths is not None else [0.0] * len(requests)
+    receiver that has run dry, priced as the simulator prices it (`fleet.py`, `stream_fleet.py`: the same
+    functions on the same state). `running`: the worker's running requests (its batch), `waiting`: those
+    queued or held, in admission order (anything with `prompt_ids` and `output_ids`, the tokens it holds: a
+    waiting continuation holds some, and owes their re-prefill wherever it runs). `predictor`: the call's
+    live `LengthPredictor`; a request's length is `predict_past`'s given its tokens, or a waiting one's
+    `renewed[k]` when given and non-zero (the early warning's, `early_warning`). `cost`: the worker's cost
+    model (seconds of a step by its shape, a `CostModel` or a `batching.ContextCost`), tabulated by
+    `batching.decode_costs` over `slots`. Each request's remaining work at the batch's per-token share orders
+    the moves; both sides are priced as batches (`Batch`), the receiver's re-prefills
+    (`batching.reprefill_cost`) and `load` (seconds of switching weights first: 0 when it holds the
+    requests' version) included. The requests to move, in `moves`' order."""
+    requests = list(running) + list(waiting)
+    given = [0.0] * len(running) + (list(renewed) if renewed is not None else [0.0] * len(waiting))
     if len(given) != len(requests):
-        raise ValueError(f"{len(requests)} requests but {len(given)} lengths")
+        raise ValueError(f"{len(waiting)} waiting requests but {len(given) - len(running)} renewed lengths")
+    done = [float(len(q.output_ids)) for q in requests]
     ends = [n or predictor.predict_past(q.prompt_ids, d) for q, d, n in zip(requests, done, given)]
-    if step_cost is None:
-        works = [remaining_work(d, n, 1.0) for d, n in zip(done, ends)]
-        return [requests[i] for i in moves(works, [d / slots for d in done])]
-    running = max(sum(d > 0 for d in done), 1)
-    works = [remaining_work(d, n, step_cost[running] / running) for d, n in zip(done, ends)]
-    prefills = [d * step_cost[slots] / slots for d in done]
-    kept, taken = batches(done, ends, prefills, [0.0] * len(done), step_cost, slots)
+    step_cost, per_key = decode_costs(cost, slots), per_key_cost(cost)
+    prefills = [reprefill_cost(cost, step_cost, slots, d) for d in done]
+    owed = [0.0] * len(running) + prefills[len(running):]  # a waiting one re-prefills on either side
+    n = max(len(running), 1)
+    works = [remaining_work(d, e, step_cost[n] / n, per_key) for d, e in zip(done, ends)]
+    kept, taken = batches(done, ends, prefills, owed, step_cost, slots, per_key)
     return [requests[i] for i in moves(works, prefills, donor=kept, receiver=replace(taken, load=load))]

@@ -77,15 +77,18 @@ class EarlyQueue:
         for h in order[:room]:
             self._admit(engine, h)
 
-    def moves(self, engine, slots: int) -> list:
-        """Rule "remaining+early"'s hand-over: `pool_moves` over the engine's unfinished requests and the held
-        ones, the waiting ones priced at their renewed lengths. A held request picked is queued in the engine
-        first, so that `Engine.extract` hands it over as any waiting request. The requests to extract."""
+    def moves(self, engine, cost, load: float = 0.0) -> list:
+        """Rule "remaining+early"'s hand-over: `pool_moves` over the engine's running requests and its waiting
+        ones then the held ones (the simulator's queue: they run in that order), the waiting ones priced at
+        their renewed lengths; `cost`, `load`: the worker's cost model and the receiver's weights load, as
+        `pool_moves` takes them. A held request picked is queued in the engine first, so that
+        `Engine.extract` hands it over as any waiting request. The requests to extract."""
         unfinished = engine.unfinished()
         renew = self._renewal(unfinished)
-        requests = unfinished + self.held
-        picked = pool_moves(requests, self._predictor(), slots,
-                            [renew(q) if q.status == Status.WAITING else 0.0 for q in requests])
+        running = [q for q in unfinished if q.status != Status.WAITING]
+        waiting = [q for q in unfinished if q.status == Status.WAITING] + self.held
+        picked = pool_moves(running, waiting, self._predictor(), cost, self.slots, load,
+                            [renew(q) for q in waiting])
         held = {id(h) for h in self.held}
         for q in picked:
             if id(q) in held:

@@ -19,10 +19,11 @@ class HandoverRequest:
     """One `RolloutWorker.hand_over` call waiting for the generating thread's next step boundary (with
     rule "tail": for the first boundary where a request qualifies)."""
 
-    def __init__(self, n: int | None, rule: str, tail_share: float, grow: float):
+    def __init__(self, n: int | None, rule: str, tail_share: float, grow: float, receiver_version: int | None = None):
         if rule not in HANDOVER_RULES:
             raise ValueError(f"hand_over rule must be one of {HANDOVER_RULES}, got {rule!r}")
         self.n, self.rule, self.tail_share, self.grow = n, rule, tail_share, grow
+        self.receiver_version = receiver_version  # the weights version the receiver holds (None: the donor's)
         self.taken: list[Continuation] = []
         self.done = threading.Event()
 

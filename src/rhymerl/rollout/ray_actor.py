@@ -145,11 +145,12 @@ class WorkerActor:
         return done.result()
 
     @ray.method(concurrency_group="handover")
-    def hand_over(self, n: int | None = None, rule: str = "half_busiest",
-                  timeout: float | None = 60.0) -> list[Continuation]:
+    def hand_over(self, n: int | None = None, rule: str = "half_busiest", timeout: float | None = 60.0,
+                  receiver_version: int | None = None) -> list[Continuation]:
         """`RolloutWorker.hand_over`: rule "tail" waits (up to `timeout`, None: the rollout's end) for a request
-        that qualifies."""
-        return self.worker.hand_over(n, timeout, rule)
+        that qualifies; `receiver_version`: the weights version the receiving worker holds (rule "remaining"
+        prices its load when it is not this worker's; None: the same)."""
+        return self.worker.hand_over(n, timeout, rule, receiver_version=receiver_version)
 
     def spec_state(self) -> dict | None:
         return self._on_compute(self.worker.spec_state)

@@ -28,7 +28,9 @@ it takes requests of the workers running the oldest step still running (those wh
 that step). half_busiest: half of the unfinished requests of the one with the most in that share; remaining: from
 the one whose share has the most predicted tokens left (`_tokens_left`; `rebalance.donors`, the next of up to
 `fleet.DONORS_ASKED` when no move from it pays), its requests with the most predicted work left while each move
-pays (`rebalance.pool_moves`, on the donor). Handed over at the donor's next step boundary
+pays (`rebalance.pool_moves`, on the donor, priced on its cost model as `stream_fleet` prices it, the idle
+worker's weights load included when the version it holds, which the driver tells the donor, is not the step's).
+Handed over at the donor's next step boundary
 (`RolloutWorker.hand_over`) and sent to the idle worker as a share of the step they belong to, on that step's
 weights (it loads them if it holds another: a worker holds one version, so a migrated share of an older step
 costs it a load, and its next own share one more; `stream_fleet` prices them), the moved requests adopted first
@@ -94,6 +96,9 @@ class RayStream:
         # the weights the next shares run on, once published; before, the version the pool's workers hold
         self._published: tuple[int, ray.ObjectRef] | None = None
         self._queued: dict[int, int] = {}  # worker -> shares sent to its actor (the next one's `seq`)
+        # worker -> the weights version of the last share sent to it: the version it holds once all are answered
+        # (a share loads its own version first); before any, the version the pool started it on
+        self._held: dict[int, int] = {}
         # rollout.defer_tail: worker -> its last training share (step, share), whose deferred requests its next
         # training share runs first
         self._last_train: dict[int, tuple[StreamedStep, int]] = {}
@@ -140,6 +145,7 @@ class RayStream:
         ref, deferred = self.pool.actors[worker].stream_rollout.remote(
             seq, weights, s.version, share, s.params, history, s.step, s.defer, self.max_staleness, *carry)
         s.pending[k] = (worker, ref, deferred)
+        self._held[worker] = s.version
 
     def collect(self, s: StreamedStep) -> RolloutResult:
         """Wait until every group of `s` is in; the step's result. Its wall interval runs from the first of its
@@ -182,6 +188,7 @@ class RayStream:
         (to its replacement, or else to the least busy worker), in submission order."""
         restarted = self.pool.replace_worker(worker, why)
         self._queued.pop(worker, None)  # a fresh actor counts its shares from 0
+        self._held.pop(worker, None)  # and holds the pool's weights
         for s in self._in_flight:
             for k in [k for k, (w, *_) in s.pending.items() if w == worker]:
                 self._send(s, k, worker if restarted else self._least_busy())
@@ -214,9 +221,11 @@ class RayStream:
             if load[asked[0]] < 2:
                 return
         moved = []
+        held = self._held.get(idle, self.pool.weights_version)  # the donor prices idle's load when it differs
         for donor in asked:
             try:
-                moved = ray.get(self.pool.actors[donor].hand_over.remote(None, rule), timeout=self.pool.timeout_s)
+                moved = ray.get(self.pool.actors[donor].hand_over.remote(None, rule, receiver_version=held),
+                                timeout=self.pool.timeout_s)
             except (RayActorError, GetTimeoutError):
                 continue  # the donor's fault is for its share's reply to report
             if moved:

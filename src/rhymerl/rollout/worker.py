@@ -59,7 +59,8 @@ class WorkerConfig:
 
 class RolloutWorker:
     """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
-    (copied, in `rollout.dtype`); `cost_model`: HistoSpec's forward-cost model, measured at start-up when None."""
+    (copied, in `rollout.dtype`); `cost_model`: the step-cost model HistoSpec drafts by and migration's rule
+    "remaining" prices moves with (`cost`), measured at start-up when None and either needs one."""
 
     def __init__(self, policy: Decoder, tokenizer, config: WorkerConfig, worker_id: int = 0,
                  cost_model: CostModel | None = None):
@@ -75,7 +76,15 @@ class RolloutWorker:
                                     reward_weighted=r.reward_aware_drafting)
         self.engine = Engine(self.model, tokenizer, num_slots=r.num_slots, max_model_len=config.max_model_len,
                              speculator=speculator)
+        # The cost model `hand_over`'s rule "remaining" prices moves with, as the simulator does: HistoSpec's
+        # (given or measured), else the one given; a worker that may be asked (rollout.migration) measures one
+        # now, while no request holds a slot (`Engine.measure_cost_model`: its plain steps are what it prices).
+        self._cost = cost_model
+        if (self.engine.cost_model is None and cost_model is None and r.migration
+                and r.migration_rule.startswith("remaining")):
+            self._cost = self.engine.measure_cost_model(max_draft_tokens=1)
         self.weights_version = 0
+        self.load_s = 0.0  # seconds its last `load_weights` took: the weights load a move to it may cost
         # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
         self._handover_lock = threading.Lock()
@@ -150,10 +159,18 @@ class RolloutWorker:
         (prepacked, tiles: `cpu_weights.ModelWeights.copy`) notice an update only by the parameter's
         `data_ptr` and torch's version counter, which every in-place op bumps (tests/rollout/test_local_pool.py
         checks both)."""
+        start = time.perf_counter()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(params[name])
         self.weights_version = version
+        self.load_s = time.perf_counter() - start
+
+    @property
+    def cost(self):
+        """The step-cost model this worker prices migration's moves with (see `__init__`); None: none known
+        (speculation off, none given, rollout.migration off)."""
+        return self.engine.cost_model or self._cost
 
     def spec_state(self) -> dict | None:
         """HistoSpec's learned state (`Speculator.state_dict`: calibration, cost model and its correction,
@@ -249,7 +266,8 @@ class RolloutWorker:
 
     # ---- migration ----------------------------------------------------------------------------------------
     def hand_over(self, n: int | None = None, timeout: float | None = 60.0, rule: str = "half_busiest",
-                  tail_share: float = TAIL_SHARE, grow: float = GROW) -> list[Continuation]:
+                  tail_share: float = TAIL_SHARE, grow: float = GROW,
+                  receiver_version: int | None = None) -> list[Continuation]:
         """Called from another thread while `rollout` runs: at the engine's next step boundary, take up to `n`
         unfinished requests out of it and return them as continuations for another worker to adopt.
 
@@ -261,11 +279,18 @@ class RolloutWorker:
         past (1 + `grow`) x the group's predicted longest member (its history's, `predict_group`), furthest
         past first, and only while at least two run (a request alone gains nothing by moving); the request
         waits for the first step boundary where one qualifies (default n 1).
-        rule "remaining" (`histopipe.rebalance.pool_moves`): the requests with the most predicted tokens left
-        while the move pays; "remaining+early" also the requests the call holds back (`EarlyQueue.moves`).
+        rule "remaining" (`histopipe.rebalance.pool_moves`, as the simulator prices it): the requests with the
+        most predicted work left while the move pays, both sides priced as batches on this worker's cost model
+        (`cost`), the receiver paying its weights load when `receiver_version` (the version it holds; None: the
+        same as this worker's, as in a sync step) differs from this worker's: `load_s`, this worker's own last
+        load, measured (the parameters' copy; a CPU backend's repack at the next forward is not in it);
+        "remaining+early" also the requests the call holds back (`EarlyQueue.moves`).
         [] when no rollout runs (it ended meanwhile) or within `timeout` seconds (None: no limit) nothing
         was taken."""
-        request = HandoverRequest(n, rule, tail_share, grow)
+        if rule.startswith("remaining") and self.cost is None:
+            raise ValueError(f"worker {self.worker_id}: hand_over rule {rule!r} prices moves with a cost model and "
+                             f"this worker has none (build it with cost_model=, or with rollout.migration on)")
+        request = HandoverRequest(n, rule, tail_share, grow, receiver_version)
         with self._handover_lock:
             if not self._generating:
                 return []
@@ -320,10 +345,16 @@ class RolloutWorker:
                             self._handover, request = request, None
                     if request is None:
                         return
-            elif request.rule == "remaining+early" and self._early is not None:  # held ones too, renewed
-                picked = self._early.moves(self.engine, self.config.rollout.num_slots)
-            elif request.rule.startswith("remaining"):  # histopipe/rebalance.py, the simulator's rule
-                picked = pool_moves(unfinished, self._live_predictor(), self.config.rollout.num_slots)
+            elif request.rule.startswith("remaining"):  # histopipe/rebalance.py, priced as the simulator does
+                held = request.receiver_version
+                load = self.load_s if held is not None and held != self.weights_version else 0.0
+                if request.rule == "remaining+early" and self._early is not None:  # held ones too, renewed
+                    picked = self._early.moves(self.engine, self.cost, load)
+                else:
+                    running = [q for q in unfinished if q.status != Status.WAITING]
+                    waiting = [q for q in unfinished if q.status == Status.WAITING]
+                    picked = pool_moves(running, waiting, self._live_predictor(), self.cost,
+                                        self.config.rollout.num_slots, load)
             else:
                 n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
                 waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
