@@ -24,6 +24,10 @@ from tiny_models import random_prompts, stopping_checkpoint
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
 PLAIN = worker_config(80, num_slots=2, speculative="off")  # a token an engine step, fifo admission
+# as `make_pool` builds it from the run's config: a worker whose rule is remaining measures its cost model at
+# start-up (speculation off: no HistoSpec one) and prices its moves on it (`RolloutWorker.cost`)
+REMAINING = worker_config(80, num_slots=2, speculative="off", backend="ray", num_workers=2, mode="one_step_off",
+                          stream=True, migration=True, migration_rule="remaining")
 # Per step: worker 0's share is one request, worker 1's 16 (8 waves on 2 slots); step 3 gives worker 1 one too.
 SIZES = {0: (1, 16), 1: (1, 16), 2: (1, 1)}
 
@@ -39,7 +43,8 @@ def _step(t: int) -> tuple[list[RolloutGroup], list[list[tuple[int, tuple[int, .
 def _run(policy, model_dir, migration: str | None):
     """Steps 1 and 2 on version 0, then (as the loop publishes after step 1's update) step 3 on version 1:
     each step's outputs and the shares each worker ran, in order, as (step, request ids)."""
-    pool = RayPool(policy, None, model_dir, PLAIN, HistoryStore(), num_workers=2, migration=migration is not None,
+    config = REMAINING if migration == "remaining" else PLAIN
+    pool = RayPool(policy, None, model_dir, config, HistoryStore(), num_workers=2, migration=migration is not None,
                    migration_rule=migration or "half_busiest")
     try:
         stream = RayStream(pool)

@@ -19,12 +19,12 @@ The rule, asked each time a worker runs dry (no request running or waiting):
   step_cost[n], so a thin batch pays nearly a whole step per token), plus each one's attention (its own
   keys, whatever the batch), plus on the receiver each moved request's re-prefill (the tokens it has
   generated, `batching.reprefill_cost`) and its weights load when it holds another version (the stream:
-  `stream_fleet.LOAD_S`). A request the move would not pay for stays; so does a donor's last request when
-  the receiver is idle (the re-prefill makes it worse), and a move from a batch whose step costs the same
-  with one sequence fewer (nothing is saved there).
-  Pricing both sides at the donor's per-token share step_cost[n] / n (the sums D - W and R + P + W, what
-  `moves` does without `Batch`es) underprices a receiver's thin batch and
-  overprices the donor's saving; where attention dominates a step the two differ little (docs/design.md,
+  `stream_fleet.LOAD_S` in the simulator, the donor's measured last load on a rollout worker). A request the
+  move would not pay for stays; so does a donor's last request when the receiver is idle (the re-prefill
+  makes it worse), and a move from a batch whose step costs the same with one sequence fewer (nothing is
+  saved there). Pricing both sides at the donor's per-token share step_cost[n] / n (the sums D - W and
+  R + P + W, what `moves` does without `Batch`es) underprices a receiver's thin batch and overprices the
+  donor's saving; where attention dominates a step the two differ little (docs/design.md,
   section 4, "Migration by predicted remaining work", has the measured figures).
 """
 

@@ -15,18 +15,17 @@ from rhymerl.config import RolloutSection
 from rhymerl.cost_model import CostModel
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
-from rhymerl.engine.sequence import Continuation, RequestOutput, Status
+from rhymerl.engine.sequence import Continuation, RequestOutput
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE
 from rhymerl.histopipe.plan import admission_order
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histopipe.rebalance import pool_moves
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
 from rhymerl.rollout.deferral import TailDeferral, carried
 from rhymerl.rollout.early_queue import EarlyQueue
-from rhymerl.rollout.handover import HandoverRequest, tail_picks
+from rhymerl.rollout.handover import HandoverRequest, half_busiest_picks, remaining_picks, tail_picks
 from rhymerl.rollout.types import RequestSpan, RolloutGroup, StaleWeightsError, WorkerStats
 
 
@@ -59,8 +58,7 @@ class WorkerConfig:
 
 class RolloutWorker:
     """Rolls out groups on its own copy of the policy. `policy`: the model whose weights it starts from
-    (copied, in `rollout.dtype`); `cost_model`: the step-cost model HistoSpec drafts by and migration's rule
-    "remaining" prices moves with (`cost`), measured at start-up when None and either needs one."""
+    (copied, in `rollout.dtype`); `cost_model`: the step-cost model of HistoSpec and of rule "remaining" (`cost`)."""
 
     def __init__(self, policy: Decoder, tokenizer, config: WorkerConfig, worker_id: int = 0,
                  cost_model: CostModel | None = None):
@@ -76,15 +74,10 @@ class RolloutWorker:
                                     reward_weighted=r.reward_aware_drafting)
         self.engine = Engine(self.model, tokenizer, num_slots=r.num_slots, max_model_len=config.max_model_len,
                              speculator=speculator)
-        # The cost model `hand_over`'s rule "remaining" prices moves with, as the simulator does: HistoSpec's
-        # (given or measured), else the one given; a worker that may be asked (rollout.migration) measures one
-        # now, while no request holds a slot (`Engine.measure_cost_model`: its plain steps are what it prices).
-        self._cost = cost_model
-        if (self.engine.cost_model is None and cost_model is None and r.migration
-                and r.migration_rule.startswith("remaining")):
+        self._cost = cost_model  # `cost`; measured now (no request holds a slot) when a remaining rule needs one
+        if r.migration and "remaining" in r.migration_rule and not (cost_model or self.engine.cost_model):
             self._cost = self.engine.measure_cost_model(max_draft_tokens=1)
-        self.weights_version = 0
-        self.load_s = 0.0  # seconds its last `load_weights` took: the weights load a move to it may cost
+        self.weights_version, self.load_s = 0, 0.0  # load_s: seconds its last `load_weights` took (a move's load)
         # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
         self._handover_lock = threading.Lock()
@@ -168,8 +161,7 @@ class RolloutWorker:
 
     @property
     def cost(self):
-        """The step-cost model this worker prices migration's moves with (see `__init__`); None: none known
-        (speculation off, none given, rollout.migration off)."""
+        """Rule "remaining"'s cost model: HistoSpec's, else the one given, else measured at start-up, or None."""
         return self.engine.cost_model or self._cost
 
     def spec_state(self) -> dict | None:
@@ -279,17 +271,15 @@ class RolloutWorker:
         past (1 + `grow`) x the group's predicted longest member (its history's, `predict_group`), furthest
         past first, and only while at least two run (a request alone gains nothing by moving); the request
         waits for the first step boundary where one qualifies (default n 1).
-        rule "remaining" (`histopipe.rebalance.pool_moves`, as the simulator prices it): the requests with the
-        most predicted work left while the move pays, both sides priced as batches on this worker's cost model
-        (`cost`), the receiver paying its weights load when `receiver_version` (the version it holds; None: the
-        same as this worker's, as in a sync step) differs from this worker's: `load_s`, this worker's own last
-        load, measured (the parameters' copy; a CPU backend's repack at the next forward is not in it);
-        "remaining+early" also the requests the call holds back (`EarlyQueue.moves`).
+        rule "remaining" (`histopipe.rebalance.pool_moves`, priced as the simulator prices it, on `cost`): the
+        requests with the most predicted work left while the move pays, the receiver paying `load_s` (this
+        worker's last `load_weights`, measured) when it holds another version (`receiver_version`; None: this
+        worker's); "remaining+early" also the requests the call holds back (`EarlyQueue.moves`).
         [] when no rollout runs (it ended meanwhile) or within `timeout` seconds (None: no limit) nothing
         was taken."""
         if rule.startswith("remaining") and self.cost is None:
-            raise ValueError(f"worker {self.worker_id}: hand_over rule {rule!r} prices moves with a cost model and "
-                             f"this worker has none (build it with cost_model=, or with rollout.migration on)")
+            raise ValueError(f"worker {self.worker_id}: rule {rule!r} prices moves on a cost model and it has none "
+                             f"(give it cost_model=, or set rollout.migration and migration_rule in its config)")
         request = HandoverRequest(n, rule, tail_share, grow, receiver_version)
         with self._handover_lock:
             if not self._generating:
@@ -345,22 +335,13 @@ class RolloutWorker:
                             self._handover, request = request, None
                     if request is None:
                         return
+            elif request.rule == "remaining+early" and self._early is not None:  # held ones too, renewed
+                picked = self._early.moves(self.engine, self.cost, request.load(self.load_s, self.weights_version))
             elif request.rule.startswith("remaining"):  # histopipe/rebalance.py, priced as the simulator does
-                held = request.receiver_version
-                load = self.load_s if held is not None and held != self.weights_version else 0.0
-                if request.rule == "remaining+early" and self._early is not None:  # held ones too, renewed
-                    picked = self._early.moves(self.engine, self.cost, load)
-                else:
-                    running = [q for q in unfinished if q.status != Status.WAITING]
-                    waiting = [q for q in unfinished if q.status == Status.WAITING]
-                    picked = pool_moves(running, waiting, self._live_predictor(), self.cost,
-                                        self.config.rollout.num_slots, load)
+                picked = remaining_picks(unfinished, self._live_predictor(), self.cost, self.config.rollout.num_slots,
+                                         request.load(self.load_s, self.weights_version))
             else:
-                n = len(unfinished) // 2 if request.n is None else min(request.n, len(unfinished) - 1)
-                waiting = [q for q in unfinished if q.status == Status.WAITING][::-1]
-                running = sorted((q for q in unfinished if q.status != Status.WAITING),
-                                 key=lambda q: self.predicted_length(q.prompt_ids) - len(q.output_ids))
-                picked = (waiting + running)[:max(n, 0)]
+                picked = half_busiest_picks(unfinished, request.n, self.predicted_length)
             request.taken = [self.engine.extract(q.request_id) for q in picked]
             for c in request.taken:
                 c.versions = self._stamped(c.request_id, len(c.output_ids))
