@@ -147,3 +147,18 @@ def test_the_stream_rule_prices_the_receivers_load_on_a_worker_as_the_simulator(
                                  GROWING, steps=int(done), slots=2, receiver_version=0, load_s=load_s,
                                  params=LONG)
     assert canonical(same)["load"] == 0.0  # a receiver holding the donor's version loads nothing
+
+
+def test_a_plain_worker_measures_the_cost_model_its_rule_prices_on_or_refuses_the_rule():
+    """Speculation off (no HistoSpec cost model) and none given: a worker whose config runs a remaining rule
+    measures one at start-up (its plain steps, by batch size); one whose config does not refuses the rule in one
+    line (the pool would otherwise price its moves on nothing)."""
+    remaining = worker_config(64, num_slots=2, speculative="off", backend="ray", num_workers=2, migration=True,
+                              migration_rule="remaining")
+    worker = RolloutWorker(tiny_decoder(), None, remaining)
+    assert worker.cost.measured and worker.cost.seqs_grid == [1, 2] and worker.cost(1, 1) > 0
+    plain = RolloutWorker(tiny_decoder(), None, worker_config(64, num_slots=2, speculative="off"))
+    assert plain.cost is None
+    with pytest.raises(ValueError, match="prices moves on a cost model"):
+        plain.hand_over(rule="remaining")
+    assert plain.hand_over(rule="half_busiest") == []  # no rollout runs: nothing to hand over

@@ -76,7 +76,7 @@ class RolloutWorker:
                              speculator=speculator)
         self._cost = cost_model  # `cost`; measured now (no request holds a slot) when a remaining rule needs one
         if r.migration and "remaining" in r.migration_rule and not (cost_model or self.engine.cost_model):
-            self._cost = self.engine.measure_cost_model(max_draft_tokens=1)
+            self._cost = self.engine.measure_cost_model(max_draft_tokens=0)  # plain steps
         self.weights_version, self.load_s = 0, 0.0  # load_s: seconds its last `load_weights` took (a move's load)
         # Migration: another thread's `hand_over` leaves a request here; the thread running
         # `rollout` serves it between two engine steps (`_serve_handover`).
