@@ -101,3 +101,20 @@ def test_bad_arguments():
         plan([1, 1], 1, "histopipe", [5], affine, slots=1)
     with pytest.raises(ValueError):
         plan([1], 0, "static")
+
+
+def test_improve_breaks_ties_by_its_key_not_by_summation_noise():
+    """Worker 0 holds groups of 6, 2 and 2 tokens, workers 1 and 2 one of 5 each: moving either 2 to either
+    worker ties at a makespan of 8. Two finish functions that differ only by noise far below a token (as
+    summing the same costs in another order does) must pick the same move: the stated key (the lower worker
+    id, then the group ranked first), not whichever candidate the noise makes a hair shorter."""
+    from rhymerl.histopipe.plan import improve
+
+    lengths = {0: 6.0, 1: 2.0, 2: 2.0, 3: 5.0, 4: 5.0}
+    position = {g: g for g in lengths}
+    plans = []
+    for noise in (lambda ws: 1e-12 * sum(ws), lambda ws: -1e-12 * sum(ws)):
+        workers = [[0, 1, 2], [3], [4]]
+        improve(workers, lambda ws: sum(lengths[g] for g in ws) + noise(ws), position, rounds=1)
+        plans.append(workers)
+    assert plans[0] == plans[1] == [[0, 2], [1, 3], [4]]

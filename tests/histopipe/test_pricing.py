@@ -14,7 +14,9 @@ from rhymerl.engine.engine import Engine
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.batching import worker_time
 from rhymerl.histopipe.plan import plan_pieces
-from rhymerl.histopipe.pricing import PRIOR_FORWARDS, FlatStepCost, TokensPerForward, speculative_step_cost
+from rhymerl.histopipe.pricing import (PRIOR_FORWARDS, FlatStepCost, ReplayedRates, TokensPerForward,
+                                       speculative_step_cost)
+from rhymerl.histopipe.replay import draftable_runs, replayed_forwards
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 
@@ -110,3 +112,41 @@ def test_the_worker_model_on_per_request_forwards_counts_the_engines_forwards():
     flat = [0.0, 1.0, 1.0, 1.0]
     assert worker_time([o.forwards for o in outs], 3, flat) == steps
     assert sum(len(o.token_ids) for o in outs) > sum(o.forwards for o in outs)  # drafts were accepted
+
+
+def test_draftable_runs_read_the_other_responses_and_the_own_tokens():
+    """A response copied from a sibling drafts whole from it; one of unseen tokens drafts nothing; a response
+    repeating itself drafts from its own committed tokens, never past them."""
+    prompt = [1, 2, 3]
+    copied = list(range(10, 30))
+    fresh = list(range(100, 120))
+    runs = draftable_runs(prompt, [copied, list(copied), fresh], max_draft=8)
+    assert runs[1] == [0] + [min(8, 20 - i) for i in range(1, 20)]
+    assert runs[2] == [0] * 20
+    own = draftable_runs(prompt, [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7]], max_draft=8)[0]
+    assert own[:5] == [0, 0, 0, 0, 0] and own[5] == 3  # after 7, 8, 9, 7, 8: 9, 7, 8 committed to copy
+
+
+def test_replayed_forwards_verify_at_most_the_draft_length():
+    runs = [0, 3, 0, 0, 0, 0, 0]
+    assert replayed_forwards(runs, 0) == 7  # a token a forward
+    assert replayed_forwards(runs, 2) == 5  # token 0; 1-3; 4; 5; 6
+    assert replayed_forwards(runs, 8) == 4
+    assert replayed_forwards([], 8) == 0
+
+
+def test_replayed_rates_follow_the_tokens_and_the_cost_model_not_the_timing():
+    """A prompt whose answers repeat each other replays at several tokens a forward, one of unseen tokens at
+    1, a prompt without history at the call's mean. Counted from the history alone, so no call's forwards
+    (the timing-driven counts) can move them. A cost model where drafting is dear drafts nothing: rate 1."""
+    history = HistoryStore()
+    answer = list(range(10, 50))
+    history.record_rollout([1, 2], [answer] * 4)
+    history.record_rollout([3], [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)])
+    cheap = CostModel([1, 4], [1, 16], [[0.010, 0.011], [0.010, 0.011]])
+    rates = ReplayedRates(max_draft_tokens=8).rates(history, [[1, 2], [3], [9]], cheap, slots=4)
+    assert rates[0] == pytest.approx(160 / (4 * 6))  # 40 tokens: the prefill's, then 8 + 1 a forward (4 x 9, 3)
+    assert rates[1] == 1.0
+    assert rates[2] == pytest.approx(320 / (24 + 160))
+    dear = CostModel([1, 4], [1, 16], [[0.010, 1.0], [0.010, 1.0]])
+    assert ReplayedRates(max_draft_tokens=8).rates(history, [[1, 2], [3]], dear, slots=4) == [1.0, 1.0]

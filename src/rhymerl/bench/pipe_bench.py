@@ -119,7 +119,9 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     "one_worker", one worker's FIFO vs longest-first (`run_real`), both on `real_workload(trace, real_data,
     ...)` (the real_* arguments None: the workload's own). The Gantt charts go to `out` (`default_out_dir()`
     when None), named in the summary's "out". `trace == "rhyming"` (or `rhyming` given): the calibrated
-    workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`."""
+    workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`. The cost model
+    (`cost_from`: "measure" or a file) prices the simulation and is the real workers' HistoSpec cost model and
+    their plan's."""
     if str(trace) == RHYMING or rhyming is not None:
         trace, rhyming = RHYMING, rhyming or Rhyming()
     else:
@@ -162,12 +164,12 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         log(f"real runs: {w.task}, {w.prompts} prompts x {w.num_generations} on {w.slots} slots per worker "
             f"({w.waves(1):g} waves on one worker, {w.waves(ray_workers):g} on each of {ray_workers} Ray workers)")
         progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
-        one = run_real(model, **sizes, repeats=repeats, seed=seed, dtype=dtype, device=device)
+        one = run_real(model, **sizes, repeats=repeats, seed=seed, dtype=dtype, device=device, cost_model=cost_model)
         summary["real"] = {"one_worker": one}
         if ray_workers > 0:
             progress.stage(f"{ray_workers} Ray workers: epoch 1, then every schedule x {repeats}")
             summary["real"] |= run_ray(model, num_workers=ray_workers, **sizes, repeats=repeats, seed=seed,
-                                       dtype=dtype, device=device, tier2=tier2)
+                                       dtype=dtype, device=device, tier2=tier2, cost_model=cost_model)
             summary["real"]["waves"] = w.waves(ray_workers)
     progress.done()
     if any(int(w) <= GANTT_MAX_WORKERS for w in summary["sim"]) and run_steps > 0:

@@ -20,12 +20,12 @@ schedule of `rollout.schedule` (static, least_loaded, histopipe, with `rollout.t
 paper's tail, and remaining with the siblings' early warning, the rule the simulator puts closest to the
 bound) on the second epoch's groups, `repeats` rounds in rotating order, the median makespan (the
 call's wall time) and the spread of the runs (slowest - fastest), bubble ratio (1 - the workers' busy time /
-(workers x makespan)) and finish gap of each, tokens checked identical across all of them.
+(workers x makespan)) and finish gap of each, tokens checked identical across all of them, and each plan.
+The bench's cost model is every worker's and the plan's: one file, one plan in every run (`histopipe.pricing`).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 import sys
@@ -206,7 +206,7 @@ def run_real(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_
 
 
 # (name, rollout.schedule, rollout.migration_rule or None: migration off). histopipe prices requests in
-# predicted forwards (`histopipe.pricing`, `RayPool.pricing`); "histopipe_tokens" in tokens, as it did before
+# predicted forwards replayed from the history (`histopipe.pricing`, `RayPool.pricing`); "histopipe_tokens" in tokens
 RAY_VARIANTS = (("static", "static", None), ("least_loaded", "least_loaded", None),
                 ("histopipe", "histopipe", None), ("histopipe_tokens", "histopipe", None),
                 ("histopipe+migration", "histopipe", "half_busiest"), ("histopipe+tail", "histopipe", "tail"),
@@ -228,6 +228,11 @@ def call_figures(result, seconds: float) -> dict:
             "migrations": totals.migrations, "migration_prefill_s": totals.migration_prefill_s}
 
 
+def plan_text(plan: list, num_generations: int) -> str:  # one line: workers by " / ", a piece "g:n"
+    return " / ".join(",".join(str(g) if len(idx) == num_generations else f"{g}:{len(idx)}" for g, idx in share)
+                      for share in plan)
+
+
 def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_workers: int = 2,
             num_prompts: int = 16, num_generations: int = 4, slots: int = 16, max_tokens: int = 128,
             temperature: float = 1.0, repeats: int = 3, seed: int = 0, dtype: str = "auto",
@@ -236,7 +241,8 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
             tier2: bool = True) -> dict:
     """Part (b), two Ray workers: every schedule (and histopipe with each migration rule) on the same groups
     (see the module doc); `tier2`: histopipe may split a long group (`rollout.tier2`). Arguments as
-    `run_real`'s; a Ray cluster is started for this process unless it is already connected to one."""
+    `run_real`'s (`cost_model`: every worker's and the plan's; None: the first worker measures one); a Ray
+    cluster is started unless this process is connected to one. A schedule's "plan": its first round's."""
     from rhymerl.engine.sampling_params import SamplingParams
     from rhymerl.history import HistoryStore
     from rhymerl.model.pretrained import default_device, resolve_dtype
@@ -265,14 +271,14 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         for i, p in enumerate(prompts):  # epoch 1 gives histopipe its predictions
             pool.record(p, [o.token_ids for o in first.outputs[i * num_generations:(i + 1) * num_generations]])
         log(f"real, {num_workers} Ray workers: epoch 1 recorded")
-        rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward: every timed call plans on these alone
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + 2000)
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+        plans: dict[str, list] = {name: [] for name, _, _ in variants}  # each call's plan, as `split` made it
         reference, identical = None, True
         for r in range(repeats):
             for name, schedule, rule in variants[r % len(variants):] + variants[:r % len(variants)]:
                 pool.schedule, pool.migration, pool.migration_rule = schedule, rule is not None, rule or "half_busiest"
-                pool.pricing, pool.rates = ("tokens" if name == "histopipe_tokens" else "forwards"), copy.deepcopy(rates)
+                pool.pricing = "tokens" if name == "histopipe_tokens" else "forwards"  # forwards: from the history
                 plan = pool.split(groups("e2"), num_workers, max_tokens)  # as the call plans it (deterministic)
                 t0 = time.perf_counter()
                 result = pool.rollout(groups("e2"), params)
@@ -280,11 +286,13 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
                 # tier 2: groups the plan cut into pieces on more than one worker
                 runs[name][-1]["split_groups"] = sum(len({w for w, share in enumerate(plan) for h, _ in share
                                                           if h == g}) > 1 for g in range(len(prompts)))
+                plans[name].append([[[g, list(idx)] for g, idx in share] for share in plan])
                 got = [o.token_ids for o in result.outputs]
                 reference = got if reference is None else reference
                 identical &= got == reference
                 log(f"real, {num_workers} Ray workers: repeat {r + 1}/{repeats} {name}: "
-                     f"{runs[name][-1]['makespan_s']:.2f} s, {runs[name][-1]['migrations']} migrations")
+                    f"{runs[name][-1]['makespan_s']:.2f} s, {runs[name][-1]['migrations']} migrations; plan (groups "
+                    f"per worker, g:n a piece) {plan_text(plans[name][-1], num_generations)}")
     finally:
         pool.close()
     if not identical:
@@ -294,6 +302,8 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         out[name] = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
         out[name]["runs_s"] = [x["makespan_s"] for x in rs]
         out[name]["spread_s"] = max(out[name]["runs_s"]) - min(out[name]["runs_s"])
+        out[name]["plan"] = plans[name][0]  # per worker, [group, request indices] in admission order
+        out[name]["plan_same_each_round"] = all(p == plans[name][0] for p in plans[name])
     for name in out:
         out[name]["speedup_vs_static"] = out["static"]["makespan_s"] / out[name]["makespan_s"] \
             if "static" in out else None

@@ -220,7 +220,8 @@ def add_parser(sub) -> None:
         bp.add_argument(f"--rhyming-{key.replace('_', '-')}", dest=f"rhyming_{key}", type=kind, default=default,
                         help=f"--trace rhyming: {what}")
     bp.add_argument("--cost-from", default="measure", metavar="measure|FILE.json",
-                    help="the simulation's cost model: measured on --model at start-up, or a CostModel.as_dict() JSON")
+                    help="the cost model of the simulation, of the real workers' HistoSpec and of their plan: "
+                         "measured on --model at start-up, or a CostModel.as_dict() JSON")
     bp.add_argument("--workers", default="8,64,1024", help="comma-separated simulated worker counts")
     bp.add_argument("--slots", type=positive_int, default=32,
                     help="slots per simulated worker (and of the measured cost model)")

@@ -195,14 +195,22 @@ def improve(workers: list[list[int]], finish: Callable[[list[int]], float], posi
             rounds: int, targets: int = 4) -> None:
     """Local improvement of an assignment, in place: up to `rounds` times, take the worker that finishes
     last and apply the best move of one of its groups to, or swap with a group of, one of the `targets`
-    workers that finish first, if it brings both below the last finish. Lists stay in `position` order."""
+    workers that finish first, if it brings both below the last finish. Lists stay in `position` order.
+    Ties are broken by a stated key, not by the order candidates are met: the pair's later finish (to 9
+    significant digits of the last finish, so that summation noise cannot decide), then the lower worker
+    id, then the moved group's rank, then the swapped one's (a move before a swap): equal finishes are
+    common (the makespan is often one long group's chain, which any assignment of the rest ties)."""
     times = [finish(ws) for ws in workers]
     for _ in range(rounds):
-        src = max(range(len(workers)), key=times.__getitem__)
+        src = max(range(len(workers)), key=lambda w: (times[w], -w))  # ties: the lowest id
         worst = times[src]
-        dsts = [w for w in heapq.nsmallest(targets + 1, range(len(workers)), key=times.__getitem__)
+
+        def rounded(t: float) -> float:
+            return round(t / worst, 9) if worst > 0 else t
+
+        dsts = [w for w in heapq.nsmallest(targets + 1, range(len(workers)), key=lambda w: (times[w], w))
                 if w != src][:targets]
-        best = None  # (the pair's new later finish, dst, new src list, new dst list, their times)
+        best = None  # (its tie key, dst, new src list, new dst list, their times)
         for dst in dsts:
             for g in workers[src]:
                 rest = [x for x in workers[src] if x != g]
@@ -210,12 +218,15 @@ def improve(workers: list[list[int]], finish: Callable[[list[int]], float], posi
                     new_src = rest if h is None else sorted(rest + [h], key=position.__getitem__)
                     new_dst = sorted([x for x in workers[dst] if x != h] + [g], key=position.__getitem__)
                     t_dst = finish(new_dst)
-                    if t_dst >= worst or (best is not None and t_dst >= best[0]):
+                    if t_dst >= worst or (best is not None and rounded(t_dst) > best[0][0]):
                         continue  # cannot beat what we have: skip the other half's timing
                     t_src = finish(new_src)
                     later = max(t_src, t_dst)
-                    if later < worst * (1 - IMPROVE_GAIN) and (best is None or later < best[0]):
-                        best = (later, dst, new_src, new_dst, t_src, t_dst)
+                    if later >= worst * (1 - IMPROVE_GAIN):
+                        continue
+                    key = (rounded(later), dst, position[g], -1 if h is None else position[h])
+                    if best is None or key < best[0]:
+                        best = (key, dst, new_src, new_dst, t_src, t_dst)
         if best is None:
             return
         _, dst, workers[src], workers[dst], times[src], times[dst] = best

@@ -14,30 +14,34 @@ change, both measured on the recorded `repeat` workload (the notebook entries ci
   to 11 sequences under one load), where `cost(n, n)` priced a tail of one sequence at a third of a full
   step. Left out: a forward that feeds more draft tokens costs more (measured, not yet priced: the notebook).
 
-So a request's price is its predicted forwards, its predicted tokens over its prompt's tokens per forward
-(`TokensPerForward`, learned from the pool's last calls: `RequestOutput.forwards`), and a step's price is a
-full batch's (`speculative_step_cost`). The continuous-batching model run on those lengths gives each
-worker's forwards exactly (tested: it is the same discrete process), so the planner balances what the
-workers' seconds follow. With speculation off every rate is 1 and the cost model is used as it is: one
-model, of which token pricing is the special case the simulator runs.
+So a request's price is its predicted forwards, its predicted tokens over its prompt's tokens per forward,
+and a step's price is a full batch's (`speculative_step_cost`). The continuous-batching model run on those
+lengths gives each worker's forwards exactly (tested: it is the same discrete process), so the planner
+balances what the workers' seconds follow. With speculation off every rate is 1 and the cost model is used
+as it is: one model, of which token pricing is the special case the simulator runs.
 
-A prompt's rate from one call is more noise than signal: it follows the drafting of the worker that ran it,
-which follows that worker's timing (its start-up cost model, its online correction, the pause when drafts
-stop paying). Four runs on the same tokens (the notebook entry docs/design.md, section 4, Pricing cites)
-gave one prompt 1.07, 2.26, 1.43 and 2.35 tokens per forward; over the twelve prompts the run-to-run
-variance of a prompt's rate (0.32) was as large as the spread of the prompts' true rates (0.35). So a
-prompt's rate is shrunk toward the pool's mean by the forwards that back it (credibility weighting):
-(tokens + K x mean) / (forwards + K), K = `PRIOR_FORWARDS`, the noise per forward over the spread of true
-rates measured there (105 over the four runs, 143 over the first three). A prompt with a few dozen forwards
-is priced near the mean; one with several hundred, or seen over several calls, keeps most of its own rate.
+A prompt's tokens per forward as the calls measure it (`TokensPerForward`, from `RequestOutput.forwards`)
+follows the drafting of the worker that ran it, which follows that worker's timing (its cost model, its
+online correction, the pause when drafts stop paying). Four runs on the same tokens (the notebook entry
+docs/design.md, section 4, Pricing cites) gave one prompt 1.07, 2.26, 1.43 and 2.35 tokens per forward; over
+the twelve prompts the run-to-run variance of a prompt's rate (0.32) was as large as the spread of the
+prompts' true rates (0.35), and the plan built on them changed from run to run. So the pool's default
+(`ReplayedRates`) counts a prompt's rate from its recorded tokens alone, which keyed sampling makes the same
+in every run: its responses replayed against a suffix-match drafter (`replay`), at the draft length the
+cost model says pays best; with the same history, cost model and slots the plan is the same whatever the
+timing of the calls that recorded it. `TokensPerForward` (the calls' own rates, shrunk toward the mean by
+the forwards that back them: (tokens + K x mean) / (forwards + K), K = `PRIOR_FORWARDS`, the noise per
+forward over the spread of true rates measured there) stays as the pool's `pricing="measured"`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.batching import Cost
-from rhymerl.history import prompt_key
+from rhymerl.histopipe.replay import draftable_runs, replayed_forwards
+from rhymerl.history import HistoryStore, prompt_key
 
 MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
 # The prior's weight in forwards: a prompt's own rate counts as much as the pool's mean once this many
@@ -93,6 +97,65 @@ class TokensPerForward:
     def state_dict(self) -> dict:
         return {"decay": self.decay, "prior_forwards": self.prior_forwards,
                 "rates": {k: list(v) for k, v in self._rates.items()}}
+
+
+DRAFT_LENGTHS = (1, 2, 4, 8, 16, 32)  # the draft lengths `ReplayedRates` weighs (each up to max_draft_tokens)
+# The tokens of a prompt's responses `ReplayedRates` replays at most, each response cut to its share: the
+# replay runs in the driver in pure Python (about 0.25 s per 12,000 tokens on a Zen 4 core), so a 128-prompt
+# call of 8 x 1,500-token histories costs ~5 s, not ~35; the rate is then the responses' first tokens'.
+MAX_REPLAYED_TOKENS = 2048
+
+
+class ReplayedRates:
+    """Per prompt, the tokens per forward its recorded responses replay at (`replay.draftable_runs`), at the
+    draft length k (0, DRAFT_LENGTHS and `max_draft_tokens`, up to it) under which a full batch of `slots`
+    such sequences commits the most tokens per second by the cost model (`CostModel.step` with k draft
+    tokens each; k = 0: a plain step). Counted from tokens only, so the same in every run (module doc). A
+    prompt without history takes the mean of the call's prompts with one (tokens over forwards), else
+    MIN_RATE. Each prompt's replay is kept while its recorded responses stay the same; a prompt's responses
+    are cut to MAX_REPLAYED_TOKENS in all."""
+
+    def __init__(self, max_draft_tokens: int):
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        self.max_draft = max_draft_tokens
+        self._runs: dict[str, tuple[int, list[list[int]]]] = {}  # prompt key -> (its responses' hash, runs)
+
+    def rates(self, history: HistoryStore, prompts: Sequence[Sequence[int]], cost: Cost, slots: int) -> list[float]:
+        """Each prompt's tokens per forward (at least MIN_RATE), in order."""
+        kept, counted = {}, []
+        for p in prompts:
+            key, responses = prompt_key(p), [r for r in history.responses(p) if r]
+            if not responses:
+                counted.append(None)
+                continue
+            share = max(MAX_REPLAYED_TOKENS // len(responses), 16)
+            responses = [r[:share] for r in responses]
+            digest = hash(tuple(map(tuple, responses)))
+            if self._runs.get(key, (None,))[0] != digest:
+                self._runs[key] = (digest, draftable_runs(p, responses, self.max_draft))
+            kept[key] = self._runs[key]
+            counted.append(self._best(kept[key][1], cost, slots))
+        self._runs = kept  # the call's prompts only: bounded by a call's size
+        backed = [c for c in counted if c is not None]
+        tokens, forwards = sum(t for t, _ in backed), sum(f for _, f in backed)
+        mean = tokens / forwards if forwards else MIN_RATE
+        return [max(MIN_RATE, mean if c is None else c[0] / c[1]) for c in counted]
+
+    def _best(self, runs: list[list[int]], cost: Cost, slots: int) -> tuple[int, int]:
+        """(tokens, forwards) of the replay at the draft length that pays best (ties: the shorter)."""
+        tokens = sum(map(len, runs))
+        best, best_speed = (tokens, tokens), -1.0
+        for k in sorted({0, *DRAFT_LENGTHS, self.max_draft}):
+            if k > self.max_draft:
+                break
+            forwards = max(sum(replayed_forwards(r, k) for r in runs), 1)
+            step = (cost.step(slots, slots, slots * k, k) if isinstance(cost, CostModel)
+                    else cost(slots * (k + 1), slots))
+            speed = tokens / forwards / max(step, 1e-12)
+            if speed > best_speed * (1 + 1e-9):
+                best, best_speed = (tokens, forwards), speed
+        return best
 
 
 class FlatStepCost:

@@ -27,8 +27,9 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
   predicted length from the pool's history, `LengthPredictor.predict_group`, costed with the cost model the
   pool was given or the workers measured, else `DEFAULT_PLAN_COST`). Under HistoSpec (`pricing="forwards"`,
   the default) a request is priced in predicted forwards, its predicted tokens over its prompt's tokens per
-  forward in the pool's last calls, and a step at a full batch's cost (`histopipe.pricing`); "tokens" plans on
-  tokens and `cost(n, n)`, as before (the bench's before/after). A GRPO group stays whole, except under
+  forward replayed from its recorded tokens (`ReplayedRates`: no timing in it, so the same history and cost
+  model give the same plan), and a step at a full batch's cost (`histopipe.pricing`); "measured" takes the
+  rates the pool's last calls ran at (`TokensPerForward`), "tokens" plans on tokens and `cost(n, n)`. A GRPO group stays whole, except under
   `histopipe` with `rollout.tier2`: `plan.plan_pieces` (the simulator's planner) may cut a long group into
   pieces on several workers; a piece is sent as a group of its request ids, its siblings drafting from each
   other on their worker. Each worker's list is its admission order. Keyed randomness (seed, request id,
@@ -63,7 +64,7 @@ from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.plan import SCHEDULES, plan_pieces
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.predict import LengthPredictor
-from rhymerl.histopipe.pricing import TokensPerForward, speculative_step_cost
+from rhymerl.histopipe.pricing import ReplayedRates, TokensPerForward, speculative_step_cost
 from rhymerl.history import HistoryStore
 from rhymerl.model.decoder import Decoder
 from rhymerl.model.pretrained import parse_dtype
@@ -121,8 +122,9 @@ class RayPool:
             raise ValueError(f"migration_rule must be one of {HANDOVER_RULES}, got {migration_rule!r}")
         self.schedule, self.migration, self.migration_rule, self.tier2 = schedule, migration, migration_rule, tier2
         self.migrations = 0  # requests moved between workers so far (each counted once)
-        self.pricing = "forwards"  # histopipe's unit of work under HistoSpec (see the module doc), or "tokens"
+        self.pricing = "forwards"  # histopipe's unit of work under HistoSpec: "forwards", "measured" or "tokens"
         self.rates = TokensPerForward()  # each prompt's tokens per forward in the calls so far (`rollout`)
+        self.replayed = ReplayedRates(config.rollout.max_draft_tokens)  # ... from its recorded tokens (split)
         self.history = history
         self.config = config
         self.timeout_s = timeout_s or None
@@ -223,8 +225,11 @@ class RayPool:
         predictor = LengthPredictor.from_history(self.history, [g.prompt_ids for g in groups], cap=cap)
         predicted = [predictor.predict_group(g.prompt_ids, n) for g, n in zip(groups, sizes)]
         slots, cost = self.config.rollout.num_slots, self._plan_cost()
-        if self.pricing == "forwards" and self.config.rollout.speculative != "off":  # histopipe.pricing
-            predicted = [self.rates.forwards(g.prompt_ids, p) for g, p in zip(groups, predicted)]
+        if self.pricing != "tokens" and self.config.rollout.speculative != "off":  # histopipe.pricing
+            prompts = [g.prompt_ids for g in groups]
+            rates = (self.replayed.rates(self.history, prompts, cost, slots) if self.pricing == "forwards"
+                     else [self.rates.rate(p) for p in prompts])
+            predicted = [[n / r for n in p] for p, r in zip(predicted, rates)]
             cost = speculative_step_cost(cost, slots, True)
         return plan_pieces(sizes, num_workers, "histopipe", predicted, cost, slots=slots, tier2=self.tier2)
 
