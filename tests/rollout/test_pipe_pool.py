@@ -90,10 +90,11 @@ def test_tier2_spreads_a_long_group_over_both_workers_and_changes_no_token(pool,
 
 
 def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy):
-    """The pool learns each prompt's tokens per forward from its calls (`RayPool.rates`); histopipe then
-    plans in predicted forwards (`histopipe.pricing`). Prompt 0's answers are predicted 3x as long as the
-    others' but draft at 4 tokens a forward: token pricing gives it a worker of its own, forward pricing
-    balances the workers' predicted forwards better, and the tokens are static's and the in-process pool's."""
+    """The pool learns each prompt's tokens per forward from its calls (`RayPool.rates`); histopipe with
+    `pricing="measured"` then plans in predicted forwards at those rates (`histopipe.pricing`). Prompt 0's
+    answers are predicted 3x as long as the others' but draft at 4 tokens a forward: token pricing gives it
+    a worker of its own, forward pricing balances the workers' predicted forwards better, and the tokens are
+    static's and the in-process pool's."""
     prompts = random_prompts(5, seed=33)
     pool.history = history = HistoryStore()
     pool.schedule, pool.tier2, pool.migration = "histopipe", False, False
@@ -104,9 +105,8 @@ def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy
     pool.rates.observe([SimpleNamespace(prompt_ids=p, token_ids=[5] * 40, forwards=10 if i == 0 else 40)
                         for i, p in enumerate(prompts)])
     plans = {}
-    for pool.pricing in ("tokens", "forwards"):
+    for pool.pricing in ("tokens", "measured"):
         plans[pool.pricing] = pool.split(gs, 2, PARAMS.max_tokens)
-    pool.pricing = "forwards"
     flat = [0.0] + [1.0] * SPEC.rollout.num_slots
 
     def forwards(share):  # a worker's predicted forwards: the pool's predicted lengths over the rates
@@ -115,13 +115,43 @@ def test_histopipe_prices_requests_in_forwards_and_changes_no_token(pool, policy
         return worker_time([n for ls in lengths for n in ls], SPEC.rollout.num_slots, flat)
 
     worst = {k: max(forwards(share) for share in plan) for k, plan in plans.items()}
-    assert worst["forwards"] < worst["tokens"]
+    assert worst["measured"] < worst["tokens"]
     priced = pool.rollout(gs, PARAMS)
-    assert sorted(w.requests for w in priced.workers) == sorted(sum(len(i) for _, i in s) for s in plans["forwards"])
+    assert sorted(w.requests for w in priced.workers) == sorted(sum(len(i) for _, i in s) for s in plans["measured"])
     pool.schedule = "static"
     assert tokens(priced) == tokens(pool.rollout(gs, PARAMS)) == local_tokens(policy, gs, history)
     learned = pool.rates.state_dict()["rates"][prompt_key(prompts[1])]  # the calls' own forwards were learned
     assert learned != [40.0, 40.0] and learned[1] > 40.0
+
+
+def test_the_plan_is_the_same_whatever_the_timing_of_the_calls_that_recorded_the_history(pool):
+    """Issue 32's real runs: with the same history, cost model and slots, histopipe's plan (each request's
+    worker and its place in the order) must not depend on how fast epoch 1 ran. Its calls' forwards are
+    timing-driven (HistoSpec drafts what each worker's clock says pays), so two epoch-1 outcomes with the
+    same tokens and other forwards (prompt 0 drafted at 4 tokens a forward and prompt 3 at 1, or the
+    reverse) give one plan: the pool prices forwards from the recorded tokens (`ReplayedRates`). Prompt 0's
+    answers repeat each other, so it is priced at more than a token a forward."""
+    prompts = random_prompts(6, seed=35)
+    pool.history = HistoryStore()
+    pool.schedule, pool.tier2, pool.migration, pool.pricing = "histopipe", True, False, "forwards"
+    answers = [[list(range(20, 56))] * 4,  # the same answer four times: drafts from its siblings
+               [[6] * 30] * 4, [[7] * 26] * 4,
+               [list(range(60 + 34 * k, 94 + 34 * k)) for k in range(4)],  # unseen tokens: nothing drafts
+               [[9] * 14] * 4, [[10] * 8] * 4]
+    for p, a in zip(prompts, answers):
+        pool.record(p, a)
+    gs = groups(prompts, 4, "d")
+    plans = []
+    for fast, slow in ((0, 3), (3, 0)):  # two timings of epoch 1, the same tokens
+        pool.rates = TokensPerForward()
+        for _ in range(5):  # epoch 1's calls
+            pool.rates.observe([SimpleNamespace(prompt_ids=p, token_ids=r, forwards=len(r) // 4 if i == fast
+                                                else len(r) if i == slow else len(r) // 2)
+                                for i, (p, a) in enumerate(zip(prompts, answers)) for r in a])
+        plans.append(pool.split(gs, 2, PARAMS.max_tokens))
+    assert plans[0] == plans[1]
+    rates = pool.replayed.rates(pool.history, prompts, COST, SPEC.rollout.num_slots)
+    assert rates[0] > 2.0 and rates[3] == 1.0
 
 
 def _migrated_call(pool, policy, monkeypatch, rule: str, prompts, answers, tag: str):
