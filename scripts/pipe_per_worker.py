@@ -11,8 +11,8 @@ as its speculator holds it after epoch 1 (`cost`: a plain full-batch step and on
 sequence; `ratio`: the online correction's measured/predicted by (batch bucket, drafting)) and epoch 1's
 per-worker counts.
 
-histopipe plans in predicted forwards (`histopipe.pricing`), histopipe_tokens in tokens (the old pricing);
-both on epoch 1's tokens per forward. Prints one JSON object per (round, schedule) on stdout; progress on stderr.
+histopipe plans in predicted forwards (`histopipe.pricing`: each prompt's rate replayed from its recorded
+tokens), histopipe_tokens in tokens (the old pricing). Prints one JSON object per (round, schedule) on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def main() -> None:
         cost = pool._plan_cost()
         step_cost, flat = decode_costs(cost, slots), [0.0] + [1.0] * slots
         predictor = LengthPredictor.from_history(pool.history, prompts, cap=w.max_tokens)
-        rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward, as `bench pipe` plans every call on
+        rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward (pricing="measured", the rule before)
+        replayed = pool.replayed.rates(pool.history, prompts, cost, slots)  # pricing="forwards": from the tokens
         for r in range(args.rounds):
             for schedule in args.schedules.split(","):
                 pool.schedule, pool.migration = schedule.removesuffix("_tokens"), False  # histopipe_tokens: the old pricing
@@ -106,8 +107,8 @@ def main() -> None:
                 rows = []
                 for wk, share in enumerate(plan):
                     pred = [predictor.predict_group(prompts[g], n)[i] for g, idx in share for i in idx]
-                    fwd_pred = [rates.forwards(prompts[g], predictor.predict_group(prompts[g], n))[i]
-                                for g, idx in share for i in idx]
+                    fwd_pred = [predictor.predict_group(prompts[g], n)[i] / replayed[g]
+                                for g, idx in share for i in idx]  # as histopipe prices them
                     ids = [gs[g].request_ids[i] for g, idx in share for i in idx]
                     actual = [len(by_id[x].token_ids) for x in ids]
                     st = next(s for s in result.workers if s.worker == wk)
