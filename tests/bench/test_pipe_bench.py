@@ -133,8 +133,28 @@ def test_two_ray_workers_run_every_schedule_with_the_same_tokens(cluster, capsys
         assert r["migrations"] == 0 or name in ("histopipe+migration", "histopipe+tail", "histopipe+remaining+early")
         assert r["spread_s"] == pytest.approx(max(r["runs_s"]) - min(r["runs_s"]), abs=2e-4)
     assert real["static"]["speedup_vs_static"] == 1.0
+    for name, _, _ in pipe_bench.RAY_VARIANTS:  # each schedule's plan: every request once, the same each round
+        plan = real[name]["plan"]
+        assert sorted((g, i) for share in plan for g, idx in share for i in idx) == [(g, i) for g in range(6)
+                                                                                     for i in range(2)]
+        assert real[name]["plan_same_each_round"] is True
     pipe_bench.print_real_tables({**real, "one_worker": None}, pipe_bench.table_console())
     assert "2 Ray workers" in capsys.readouterr().out
+
+
+def test_the_real_workers_get_the_benchs_cost_model(trace, cost_file, tmp_path, monkeypatch):
+    """`--cost-from`'s model is the real runs' (their workers' HistoSpec and their plan), not the simulation's
+    alone: each worker measuring its own at start-up made the plan follow the machine's load."""
+    got = {}
+
+    def fake(name):
+        return lambda *args, **kwargs: (got.__setitem__(name, kwargs["cost_model"]), {})[1]
+
+    monkeypatch.setattr(pipe_bench, "run_real", fake("one"))
+    monkeypatch.setattr(pipe_bench, "run_ray", fake("ray"))
+    pipe_bench.run(trace, str(cost_file), "unused-model", workers=[2], slots=2, run_steps=0, out=tmp_path / "c",
+                   context="0", modes=["sync"])
+    assert got["one"].as_dict() == got["ray"].as_dict() == COST.as_dict()
 
 
 def test_runs_per_mode_and_gantt_charts(trace, cost_file, tmp_path, capsys):
