@@ -6,8 +6,8 @@
 HistoSpec on the `--cost-from` model): epoch 1 is rolled out and recorded, then the plan of epoch 2's groups
 is made, without running it, under `pricing="forwards"` (the rates replayed from the recorded tokens) and
 `pricing="measured"` (epoch 1's own tokens per forward, the rule before). Prints one JSON object: epoch 1's
-tokens per forward per prompt and drafted tokens per worker (the timing-driven counts), both rate vectors
-and both plans. Run it twice: the tokens are the same (keyed draws), the timing is not.
+tokens per forward per prompt and drafted tokens per worker (the timing-driven counts), both rate vectors,
+both plans and epoch 1's responses. Run it twice: the tokens are the same (keyed draws), the timing is not.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
                "epoch1_forwards_per_worker": [s.engine.forward_passes for s in first.workers],
                "measured_rates": [round(pool.rates.rate(p), 3) for p in prompts],
                "replayed_rates": [round(r, 3) for r in pool.replayed.rates(pool.history, prompts, cost, w.slots)]}
+        out["epoch1_responses"] = [pool.history.responses(p) for p in prompts]  # to replay offline
         for pricing in ("forwards", "measured"):
             pool.pricing = pricing
             plan = pool.split(groups, 2, w.max_tokens)

@@ -16,7 +16,7 @@ from rhymerl.histopipe.batching import worker_time
 from rhymerl.histopipe.plan import plan_pieces
 from rhymerl.histopipe.pricing import (PRIOR_FORWARDS, FlatStepCost, ReplayedRates, TokensPerForward,
                                        speculative_step_cost)
-from rhymerl.histopipe.replay import draftable_runs, replayed_forwards
+from rhymerl.histopipe.replay import draftable_runs, replay_walk
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 
@@ -115,24 +115,24 @@ def test_the_worker_model_on_per_request_forwards_counts_the_engines_forwards():
 
 
 def test_draftable_runs_read_the_other_responses_and_the_own_tokens():
-    """A response copied from a sibling drafts whole from it; one of unseen tokens drafts nothing; a response
-    repeating itself drafts from its own committed tokens, never past them."""
+    """A response copied from a sibling drafts whole from it; one of unseen tokens matches nothing (-1: no
+    draft); a response repeating itself drafts from its own committed tokens, never past them."""
     prompt = [1, 2, 3]
     copied = list(range(10, 30))
     fresh = list(range(100, 120))
     runs = draftable_runs(prompt, [copied, list(copied), fresh], max_draft=8)
-    assert runs[1] == [0] + [min(8, 20 - i) for i in range(1, 20)]
-    assert runs[2] == [0] * 20
+    assert runs[1] == [-1] + [min(8, 20 - i) for i in range(1, 20)]
+    assert runs[2] == [-1] * 20
     own = draftable_runs(prompt, [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7]], max_draft=8)[0]
-    assert own[:5] == [0, 0, 0, 0, 0] and own[5] == 3  # after 7, 8, 9, 7, 8: 9, 7, 8 committed to copy
+    assert own[:5] == [-1, -1, -1, -1, -1] and own[5] == 3  # after 7, 8, 9, 7, 8: 9, 7, 8 committed to copy
 
 
-def test_replayed_forwards_verify_at_most_the_draft_length():
-    runs = [0, 3, 0, 0, 0, 0, 0]
-    assert replayed_forwards(runs, 0) == 7  # a token a forward
-    assert replayed_forwards(runs, 2) == 5  # token 0; 1-3; 4; 5; 6
-    assert replayed_forwards(runs, 8) == 4
-    assert replayed_forwards([], 8) == 0
+def test_the_replay_walk_verifies_at_most_the_draft_length():
+    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 0) == (7, 0)  # a token a forward
+    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 2) == (5, 2)  # token 0; 1-3 (2 drafted); 4; 5; 6
+    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 8) == (4, 8)  # token 0; 1-4 (8 drafted); 5; 6
+    assert replay_walk([-1, 1, -1, 0, -1], 2) == (4, 4)  # token 0; 1-2; 3 (2 drafted, none taken); 4
+    assert replay_walk([], 8) == (0, 0)
 
 
 def test_replayed_rates_follow_the_tokens_and_the_cost_model_not_the_timing():

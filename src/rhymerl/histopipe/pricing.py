@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.batching import Cost
-from rhymerl.histopipe.replay import draftable_runs, replayed_forwards
+from rhymerl.histopipe.replay import draftable_runs, replay_walk
 from rhymerl.history import HistoryStore, prompt_key
 
 MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
@@ -109,8 +109,8 @@ MAX_REPLAYED_TOKENS = 2048
 class ReplayedRates:
     """Per prompt, the tokens per forward its recorded responses replay at (`replay.draftable_runs`), at the
     draft length k (0, DRAFT_LENGTHS and `max_draft_tokens`, up to it) under which a full batch of `slots`
-    such sequences commits the most tokens per second by the cost model (`CostModel.step` with k draft
-    tokens each; k = 0: a plain step). Counted from tokens only, so the same in every run (module doc). A
+    such sequences commits the most tokens per second by the cost model (`CostModel.step` fed the replay's
+    draft tokens per forward: k wherever a match proposed a draft; k = 0: a plain step). Counted from tokens only, so the same in every run (module doc). A
     prompt without history takes the mean of the call's prompts with one (tokens over forwards), else
     MIN_RATE. Each prompt's replay is kept while its recorded responses stay the same; a prompt's responses
     are cut to MAX_REPLAYED_TOKENS in all."""
@@ -143,15 +143,18 @@ class ReplayedRates:
         return [max(MIN_RATE, mean if c is None else c[0] / c[1]) for c in counted]
 
     def _best(self, runs: list[list[int]], cost: Cost, slots: int) -> tuple[int, int]:
-        """(tokens, forwards) of the replay at the draft length that pays best (ties: the shorter)."""
+        """(tokens, forwards) of the replay at the draft length that pays best (ties: the shorter): the
+        tokens per second of a full batch of `slots` such sequences, each step feeding a row's token and its
+        mean draft tokens per forward (`CostModel.step`)."""
         tokens = sum(map(len, runs))
         best, best_speed = (tokens, tokens), -1.0
         for k in sorted({0, *DRAFT_LENGTHS, self.max_draft}):
             if k > self.max_draft:
                 break
-            forwards = max(sum(replayed_forwards(r, k) for r in runs), 1)
-            step = (cost.step(slots, slots, slots * k, k) if isinstance(cost, CostModel)
-                    else cost(slots * (k + 1), slots))
+            walks = [replay_walk(r, k) for r in runs]
+            forwards, drafted = max(sum(f for f, _ in walks), 1), sum(d for _, d in walks)
+            fed = round(slots * drafted / forwards)  # a full step's draft tokens
+            step = (cost.step(slots, slots, fed, k) if isinstance(cost, CostModel) else cost(slots + fed, slots))
             speed = tokens / forwards / max(step, 1e-12)
             if speed > best_speed * (1 + 1e-9):
                 best, best_speed = (tokens, forwards), speed

@@ -8,8 +8,9 @@ Here it is counted from the tokens instead, which keyed sampling makes the same 
 response of the prompt is replayed against a suffix-match drafter that drafts from the prompt's other
 recorded responses and from the response's own earlier tokens (HistoSpec's sources: history, siblings,
 self), and `draftable_runs` gives, at each position, how many of the next tokens the draft would have
-matched. A walk at a fixed draft length k (`replayed_forwards`) then counts the forwards: one verifies
-min(run, k) draft tokens and commits one more. `pricing.ReplayedRates` picks k from the cost model.
+matched (-1 where nothing matched: no draft). A walk at a fixed draft length k (`replay_walk`) then counts
+the forwards, one committing min(run, k) + 1 tokens, and the draft tokens verified (k wherever a match
+proposed a draft, accepted or not). `pricing.ReplayedRates` picks k from the cost model.
 
 The drafter replayed is simpler than HistoSpec's (one chain, from the latest occurrence of the longest
 match in HistoSpec's window, where HistoSpec grows a tree by counts and verifies what its calibration
@@ -57,14 +58,15 @@ def draftable_runs(prompt: Sequence[int], responses: Sequence[Sequence[int]], ma
     longest suffix (WINDOW down to MIN_MATCH tokens) of prompt + response[:i] in the prompt's other
     responses (each after the prompt's last WINDOW tokens, as HistoSpec indexes siblings), else in the
     prompt's tail and the response's own committed tokens (HistoSpec's "self"); at equal length the other
-    responses win, as HistoSpec trusts them more. Position 0 (the prefill's token) is 0."""
+    responses win, as HistoSpec trusts them more. -1 where no suffix matched (and at position 0, the
+    prefill's token): nothing is drafted there."""
     tail = list(prompt[-WINDOW:])
     sources = [tail + list(r) for r in responses]
     shared = _index(sources)
     out = []
     for j, response in enumerate(responses):
         seq = sources[j]
-        runs = [0] * len(response)
+        runs = [-1] * len(response)
         own: dict[tuple[int, ...], int] = {}  # n-gram -> the latest end (index of its next token) committed
         filled = MIN_MATCH  # own holds the grams ending before this
         for i in range(1, len(response)):
@@ -87,13 +89,17 @@ def draftable_runs(prompt: Sequence[int], responses: Sequence[Sequence[int]], ma
     return out
 
 
-def replayed_forwards(runs: Sequence[int], draft: int) -> int:
-    """Forwards to commit a response whose `draftable_runs` are `runs` when each forward verifies up to
-    `draft` draft tokens: the prefill commits token 0, each forward after it min(run, draft) + 1."""
+def replay_walk(runs: Sequence[int], draft: int) -> tuple[int, int]:
+    """(forwards, draft tokens verified) to commit a response whose `draftable_runs` are `runs` when each
+    forward verifies up to `draft` draft tokens: the prefill commits token 0; each forward after it verifies
+    `draft` tokens where a match proposed a draft (its continuation may be shorter: counted whole) and
+    commits min(run, draft) + 1."""
     if not runs:
-        return 0
-    forwards, i = 1, 1
+        return 0, 0
+    forwards, drafted, i = 1, 0, 1
     while i < len(runs):
-        i += min(runs[i], draft) + 1
+        if draft and runs[i] >= 0:
+            drafted += draft
+        i += min(max(runs[i], 0), draft) + 1
         forwards += 1
-    return forwards
+    return forwards, drafted
