@@ -107,13 +107,15 @@ MAX_REPLAYED_TOKENS = 2048
 
 
 class ReplayedRates:
-    """Per prompt, the tokens per forward its recorded responses replay at (`replay.draftable_runs`), at the
-    draft length k (0, DRAFT_LENGTHS and `max_draft_tokens`, up to it) under which a full batch of `slots`
-    such sequences commits the most tokens per second by the cost model (`CostModel.step` fed the replay's
-    draft tokens per forward: k wherever a match proposed a draft; k = 0: a plain step). Counted from tokens only, so the same in every run (module doc). A
-    prompt without history takes the mean of the call's prompts with one (tokens over forwards), else
-    MIN_RATE. Each prompt's replay is kept while its recorded responses stay the same; a prompt's responses
-    are cut to MAX_REPLAYED_TOKENS in all."""
+    """Per prompt, the tokens per forward its recorded responses replay at (`replay.draftable_runs`), at one
+    draft length k for the call (0, DRAFT_LENGTHS and `max_draft_tokens`, up to it): the one under which a
+    full batch of `slots` sequences drafting like the call's prompts commits the most tokens per second by
+    the cost model (`CostModel.step` fed the replay's draft tokens per forward: k wherever a match proposed a
+    draft; k = 0: a plain step). One k for all, as HistoSpec's budget is the step's, not a prompt's: a
+    prompt's rate does not jump to 1 where its own drafts alone would not pay. Counted from tokens only, so
+    the same in every run (module doc). A prompt without history takes the mean of the call's prompts with
+    one (tokens over forwards), else MIN_RATE. Each prompt's replay is kept while its recorded responses stay
+    the same; a prompt's responses are cut to MAX_REPLAYED_TOKENS in all."""
 
     def __init__(self, max_draft_tokens: int):
         if max_draft_tokens < 0:
@@ -123,11 +125,11 @@ class ReplayedRates:
 
     def rates(self, history: HistoryStore, prompts: Sequence[Sequence[int]], cost: Cost, slots: int) -> list[float]:
         """Each prompt's tokens per forward (at least MIN_RATE), in order."""
-        kept, counted = {}, []
+        kept, runs = {}, []
         for p in prompts:
             key, responses = prompt_key(p), [r for r in history.responses(p) if r]
             if not responses:
-                counted.append(None)
+                runs.append(None)
                 continue
             share = max(MAX_REPLAYED_TOKENS // len(responses), 16)
             responses = [r[:share] for r in responses]
@@ -135,29 +137,31 @@ class ReplayedRates:
             if self._runs.get(key, (None,))[0] != digest:
                 self._runs[key] = (digest, draftable_runs(p, responses, self.max_draft))
             kept[key] = self._runs[key]
-            counted.append(self._best(kept[key][1], cost, slots))
+            runs.append(kept[key][1])
         self._runs = kept  # the call's prompts only: bounded by a call's size
+        k = self.draft_length([r for r in runs if r is not None], cost, slots)
+        counted = [None if r is None else (sum(map(len, r)), sum(replay_walk(x, k)[0] for x in r)) for r in runs]
         backed = [c for c in counted if c is not None]
         tokens, forwards = sum(t for t, _ in backed), sum(f for _, f in backed)
         mean = tokens / forwards if forwards else MIN_RATE
-        return [max(MIN_RATE, mean if c is None else c[0] / c[1]) for c in counted]
+        return [max(MIN_RATE, mean if c is None else c[0] / max(c[1], 1)) for c in counted]
 
-    def _best(self, runs: list[list[int]], cost: Cost, slots: int) -> tuple[int, int]:
-        """(tokens, forwards) of the replay at the draft length that pays best (ties: the shorter): the
-        tokens per second of a full batch of `slots` such sequences, each step feeding a row's token and its
-        mean draft tokens per forward (`CostModel.step`)."""
-        tokens = sum(map(len, runs))
-        best, best_speed = (tokens, tokens), -1.0
+    def draft_length(self, runs: list[list[list[int]]], cost: Cost, slots: int) -> int:
+        """The draft length that pays best for these prompts' replays (per prompt, per response, the
+        `draftable_runs`) together (ties: the shorter)."""
+        flat = [r for prompt in runs for r in prompt]
+        tokens = sum(map(len, flat))
+        best, best_speed = 0, -1.0
         for k in sorted({0, *DRAFT_LENGTHS, self.max_draft}):
-            if k > self.max_draft:
+            if k > self.max_draft or not tokens:
                 break
-            walks = [replay_walk(r, k) for r in runs]
+            walks = [replay_walk(r, k) for r in flat]
             forwards, drafted = max(sum(f for f, _ in walks), 1), sum(d for _, d in walks)
             fed = round(slots * drafted / forwards)  # a full step's draft tokens
-            step = (cost.step(slots, slots, fed, k) if isinstance(cost, CostModel) else cost(slots + fed, slots))
+            step = cost.step(slots, slots, fed, k) if isinstance(cost, CostModel) else cost(slots + fed, slots)
             speed = tokens / forwards / max(step, 1e-12)
             if speed > best_speed * (1 + 1e-9):
-                best, best_speed = (tokens, forwards), speed
+                best, best_speed = k, speed
         return best
 
 
