@@ -63,3 +63,35 @@ rr = ReplayedRates(32)
 runs = [draftable_runs(p, rs, 32) for p, rs in zip(prompts, ident["epoch1_responses"])]
 for slots in (1, 4, 12):
     print(f"the call's draft length at {slots} slots: k = {rr.draft_length(runs, cost, slots)}")
+
+# Each plan's makespan in forwards against epoch 2's forwards per request in each of the ten calls (flat step,
+# 12 slots; a piece "g:n" of a split group takes its first n requests): what the plan would have given had
+# the requests drafted as they did in that call.
+from rhymerl.histopipe.batching import worker_time  # noqa: E402
+
+draws = []
+for line in open(sys.argv[2]):
+    d = json.loads(line)
+    if "requests" in d:
+        draws.append([q["fwd"] for q in d["requests"]])
+
+
+def parse(text):
+    out = []
+    for share in text.split(" / "):
+        out.append([(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else 8) for x in share.split(",") if x])
+    return out
+
+
+plans = {"static": "0,1,2,3,4,5 / 6,7,8,9,10,11", "least_loaded": "0,2,4,6,8,10 / 1,3,5,7,9,11",
+         "histopipe (replayed)": ident["plan_forwards"], "histopipe (measured, this run)": ident["plan_measured"]}
+for line in open(sys.argv[2]):
+    d = json.loads(line)
+    if d.get("schedule") == "histopipe" and d.get("round", 0) == 0:
+        plans[f"histopipe (measured, {d['run']})"] = " / ".join(",".join(str(g) if len(idx) == 8 else f"{g}:{len(idx)}"
+                                                                         for g, idx in share) for share in d["plan"])
+flat = [0.0] + [1.0] * 12
+for name, text in plans.items():
+    spans = [max(worker_time([fw[g * 8 + i] for g, n in share for i in range(n)], 12, flat) for share in parse(text))
+             for fw in draws]
+    print(f"{name}: {text}: mean makespan {statistics.mean(spans):.1f} forwards over {len(draws)} calls")
