@@ -1,11 +1,11 @@
 """Notebook 2026-11-27-f-realplan: the replayed rates (`histopipe.pricing.ReplayedRates`) on epoch 1's recorded
 tokens beside the rates the calls ran at, and whether they rank the prompts as epoch 2 drafted them.
 
-    PYTHONPATH=src python docs/notebook/data/2026-11-27-f-realplan-rates.py IDENTITY.json \
+    PYTHONPATH=src python docs/notebook/data/2026-11-27-f-realplan-rates.py docs/notebook/data/2026-11-27-f-realplan-identity.jsonl \
         docs/notebook/data/2026-11-27-e-plan-per-worker.jsonl docs/notebook/data/2026-11-27-pipe-cost-zen4.json
 
-IDENTITY.json: `scripts/pipe_plan_identity.py --out`'s object (epoch 1's responses, the same tokens in every
-run); the jsonl: notebook 2026-11-27-e-plan's per-worker runs (epoch 2's forwards per request, 8 calls).
+The identity file: `scripts/pipe_plan_identity.py --out`'s objects, one a run (epoch 1's responses, the same tokens in every
+run); the jsonl: notebook 2026-11-27-e-plan's per-worker runs (epoch 2's forwards per request, 10 calls).
 """
 import json
 import statistics
@@ -28,7 +28,7 @@ def spearman(a, b):
     return statistics.correlation(ra, rb)
 
 
-ident = json.loads(open(sys.argv[1]).read())
+ident = json.loads(open(sys.argv[1]).readline())  # the first run: it holds the responses
 cost = load_cost_model(sys.argv[3])
 prompts = [[i] for i in range(len(ident["epoch1_responses"]))]  # stand-in ids: the rates read tokens only
 history = HistoryStore()
