@@ -130,7 +130,7 @@ def test_the_plan_is_the_same_whatever_the_timing_of_the_calls_that_recorded_the
     timing-driven (HistoSpec drafts what each worker's clock says pays), so two epoch-1 outcomes with the
     same tokens and other forwards (prompt 0 drafted at 4 tokens a forward and prompt 3 at 1, or the
     reverse) give one plan: the pool prices forwards from the recorded tokens (`ReplayedRates`). Prompt 0's
-    answers repeat each other, so it is priced at more than a token a forward."""
+    answers repeat each other, so it is priced at more than a token a forward; prompt 3's match nothing."""
     prompts = random_prompts(6, seed=35)
     pool.history = HistoryStore()
     pool.schedule, pool.tier2, pool.migration, pool.pricing = "histopipe", True, False, "forwards"
@@ -151,7 +151,7 @@ def test_the_plan_is_the_same_whatever_the_timing_of_the_calls_that_recorded_the
         plans.append(pool.split(gs, 2, PARAMS.max_tokens))
     assert plans[0] == plans[1]
     rates = pool.replayed.rates(pool.history, prompts, COST, SPEC.rollout.num_slots)
-    assert rates[0] > 2.0 and rates[3] == 1.0
+    assert rates[0] > 1.5 and rates[3] == 1.0  # k = 1 under COST, where a drafting row is dear
 
 
 def _migrated_call(pool, policy, monkeypatch, rule: str, prompts, answers, tag: str):
