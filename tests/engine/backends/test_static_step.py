@@ -7,11 +7,13 @@ import torch
 
 from rhymerl.engine.backends import CudaBackend, EagerBackend
 from rhymerl.engine.backends.op_trace import OpTrace
-from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets, rope_table
+from rhymerl.engine.backends.static_forward import rope_table, rotate
+from rhymerl.engine.backends.static_step import StaticStep, bucket_of, buckets
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput, _ancestors
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.model.decoder import apply_rope
 from helpers import history_of, peaky, speculator
 from tiny_models import random_prompts, tiny_decoder
 
@@ -67,16 +69,39 @@ def test_decode_and_tree_steps_match_the_eager_backend(arch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_step_gathers_the_rope_it_would_compute_bit_for_bit(dtype):
-    """A fixed-shape step takes its tokens' rope from a table of every cache position (two kernels, not a
-    dozen): the very values `Decoder.qkv_rope` computes at those positions, whatever the step's size."""
+def test_rope_from_the_table_is_the_decoders_rope(dtype):
+    """A fixed-shape step gathers its tokens' rope rotations from a table of every cache position (one op)
+    and applies them in two (`static_forward.rotate`): at those positions, whatever the step's size, the bits
+    of x * cos + rotate_half(x) * sin with each product rounded (the decoder's `apply_rope` fuses the second
+    into its addcmul: the same values to one rounding); the value heads come out unchanged."""
     model, _, static = runners("qwen3", dtype=dtype)
-    cos, sin = rope_table(model, static.cache)
+    c = model.cfg
+    table = rope_table(model, static.cache)
     g = torch.Generator().manual_seed(4)
     for n in (1, 7, 33, 104):
         positions = torch.randint(0, static.cache.capacity, (n,), generator=g)
-        want = model.qkv_rope(positions, dtype)
-        assert torch.equal(cos[positions], want[0]) and torch.equal(sin[positions], want[1])
+        qkv = torch.randn(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim, generator=g).to(dtype)
+        cos, sin = model.qkv_rope(positions, dtype)
+        got = rotate(qkv, table.index_select(0, positions))
+        x1, x2 = qkv.chunk(2, -1)
+        assert torch.equal(got, qkv * cos + torch.cat((x2, x1), -1) * sin)
+        tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got, apply_rope(qkv, cos, sin), **tol)
+        v = c.num_heads + c.num_kv_heads
+        assert torch.equal(got[:, v:], qkv[:, v:])
+
+
+def test_a_step_multiplies_by_the_weights_as_they_are_now():
+    """The fixed-shape forward reads the parameters where they live (no copies), so weights changed in place
+    (a weight sync: `RolloutWorker.load_weights`) are what the next step multiplies by, as a CUDA graph's
+    replay would."""
+    model, eager, static = runners("qwen2")
+    prompts = random_prompts(2, lo=5, hi=9, seed=6)
+    both(eager, static, [SlotInput(s, 0, p, logits_from=len(p) - 1) for s, p in zip((0, 3), prompts)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)
+    both(eager, static, [SlotInput(s, len(p), [s + 1]) for s, p in zip((0, 3), prompts)])
 
 
 def test_padding_leaves_every_other_cache_position_as_it_was():
@@ -263,3 +288,34 @@ def test_a_prompt_prefilled_in_gathered_chunks_sees_its_earlier_chunks():
     both(eager, static, [SlotInput(2, 22, p[22:42], logits_from=19)])
     assert static.backend.eager_parts == 0 and static.backend.shapes.of(
         [SlotInput(2, 22, p[22:42], logits_from=19)])[0]  # gathered
+
+
+# Computing ops (on a GPU, kernels) of a llama layer in a 32-slot fixed-shape step (`static_forward`): two
+# RMSNorms with their weights (1 each), 4 matmuls (qkv; o_proj and down, each with its residual add), rope
+# (2), the K/V write (1), attention (1), SiLU x up (2); trees of 8 tokens (a drafting bucket) add 2 copies
+# that fold the query heads for attention and back. `Decoder.forward_packed`, which the step ran before,
+# launched 17 and 19. Per step outside the layers, the forward's: the rope rows (1), the mask (2 for one token
+# a row, 4 for trees; 15 and 16 before), the embedding, the final norm, the lm_head.
+LAUNCHES_PER_LAYER = {1: 12, 8: 14}
+LAUNCHES_PER_STEP = {1: 6, 8: 8}
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_a_step_launches_at_most_so_many_kernels_per_layer(tokens):
+    """The fused forward's launch count (op_trace: what `bench engine` reports as kernels per step), per layer
+    and per step, for a plain decode step of 32 slots and a drafting bucket of 32 trees of 8 tokens."""
+    model = tiny_decoder("llama-d64")
+    c, layers = model.cfg, model.layers
+    cache = KVCache(c.num_layers, 32, 96, c.num_kv_heads, c.head_dim, torch.float32, "cpu", 8)
+
+    def launches(n_layers: int) -> int:
+        model.layers = layers[:n_layers]
+        step = StaticStep(model, cache, False, 32, tokens, 64)
+        step.load([], [])
+        with torch.inference_mode(), OpTrace() as trace:
+            step.run()
+        return trace.launches
+
+    one, two = launches(1), launches(2)
+    assert two - one <= LAUNCHES_PER_LAYER[tokens]
+    assert one - (two - one) <= LAUNCHES_PER_STEP[tokens]

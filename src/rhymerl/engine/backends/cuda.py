@@ -31,7 +31,8 @@ import torch
 
 from rhymerl.engine.backends.base import Step
 from rhymerl.engine.backends.eager import EagerBackend
-from rhymerl.engine.backends.static_step import StaticShapes, StaticStep, rope_table
+from rhymerl.engine.backends.static_forward import rope_table
+from rhymerl.engine.backends.static_step import StaticShapes, StaticStep
 from rhymerl.engine.device_verification import StepDraws
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampling_params import SamplingParams
