@@ -17,8 +17,8 @@ A llama layer launches 12 computing ops (decode; 14 in a verification step, whic
 attention and back), where `forward_packed` launches 17 (19). The arithmetic is the decoder's up to rounding
 (tests/engine/backends/test_static_step.py): rope rounds both its products before the sum (the decoder's
 addcmul fuses the second), the addmm's GEMM sums the residual in its own order, and in bf16 the norm rounds
-once (x / rms(x) times the weight) where the decoder rounds x / rms(x) first (in fp32: the same bits). Decoding and verification
-both run these steps, so HistoSpec's token identity holds whatever the rounding.
+once (x / rms(x) times the weight) where the decoder rounds x / rms(x) first (in fp32: the same bits).
+Decoding and verification both run these steps, so HistoSpec's token identity holds whatever the rounding.
 
 No weight copies: the weights are read where the parameters live, so a CUDA graph sees a weight sync that
 copies into them in place (`RolloutWorker.load_weights`), as before.
