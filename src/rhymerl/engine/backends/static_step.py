@@ -133,21 +133,20 @@ class StaticStep:
         self.inv_t = torch.ones((1, 1), dtype=torch.float32, device=device)  # 1 / temperature, set when it changes
         self._inv_t = 1.0
         self.reached_all = torch.ones(r, dtype=torch.float64, device=device)  # no walk (T = 1, chains): roots
-        # bools: which tokens are real, then (trees of T > 1 tokens) what each folded query row (query head g
-        # of a KV head, token t: row g * T + t) sees of T + 2 columns: [its row's committed prefix, the row's
-        # T tokens (a token and its ancestors), the positions after them] (`mask`); chains (gathered, or one
-        # token a row) need none: token t sees the positions up to base + t
-        g = self.g = model.cfg.num_heads // cache.num_kv_heads
-        trees = 0 if gathered or t == 1 else b * g * t * (t + 2)
+        # bools: which tokens are real, then (trees of T > 1 tokens) what each token sees of T + 2 columns:
+        # [its row's committed prefix, the row's T tokens (its ancestor matrix row: itself and its ancestors),
+        # the positions after them] (`mask`); chains (gathered, or one token a row) need none: token t sees
+        # the positions up to base + t
+        self.g = model.cfg.num_heads // cache.num_kv_heads
+        trees = 0 if gathered or t == 1 else b * t * (t + 2)
         self.bools = torch.zeros(n + trees, dtype=torch.bool, device=device)
-        self.valid, self.sees = self.bools[:n], self.bools[n:].view(b, g * t, t + 2) if trees else None
+        self.valid, self.sees = self.bools[:n], self.bools[n:].view(b, t, t + 2) if trees else None
         self._host_ints = np.zeros(m + 4 * r, dtype=np.int64)
         self._host_bools = np.zeros(n + trees, dtype=bool)
-        self._host_anc = np.zeros((b, t, t), dtype=bool)
         # the mask's constants: key positions (+ 1 for trees: column 0 is the prefix), each folded query row's
         # token, and the additive mask's two values
         self.keys = torch.arange(1 if trees else 0, l + (1 if trees else 0), device=device)
-        self.depth = torch.arange(t, device=device).repeat(g)
+        self.depth = torch.arange(t, device=device).repeat(self.g)
         self.seen = torch.tensor(0.0, dtype=cache.kv.dtype, device=device)
         self.unseen = torch.tensor(float("-inf"), dtype=cache.kv.dtype, device=device)
 
@@ -161,19 +160,23 @@ class StaticStep:
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
         base, slots, last = (ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
         prefix, offset, parent, draft = (ints[m + k * r : m + (k + 1) * r] for k in range(4))
-        valid, anc = bools[:n].reshape(b, t), self._host_anc
+        valid = bools[:n].reshape(b, t)
+        sees = bools[n:].reshape(b, t, t + 2) if self.sees is not None else None
+        anc = None if sees is None else sees[:, :, 1 : t + 1]  # the ancestor matrices, a view
         ints[:] = 0
         bools[:] = False
-        anc[:] = False
         parent[:] = np.arange(r)
         draft[:] = -1
-        anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
+        if sees is not None:
+            sees[:, :, 0] = True  # the committed prefix (the last column, after the row's tokens, stays False)
+            anc[:, np.arange(t), np.arange(t)] = True  # a padding token sees itself
         tail = self.cache.capacity - t + np.arange(t)  # by slot: where padding tokens write (module docstring)
         if not inputs:
             slots[:] = np.arange(b)
             write_pos[:] = positions[:] = np.arange(t) if self.gathered else tail
             token_slots[:] = slots[:, None]
-            self._copy_in()
+            self.ints.copy_(torch.from_numpy(ints))
+            self.bools.copy_(torch.from_numpy(bools))
             return np.zeros(0, dtype=np.int64)
         if self.gathered:  # row r: input r; padding rows on slots no input uses (no (slot, position) twice)
             used = {x.slot for x in inputs}
@@ -197,7 +200,7 @@ class StaticStep:
         positions.reshape(-1)[flat] = np.repeat(base[rows], ks) + depth
         valid.reshape(-1)[flat] = True
         for r, k, (ancestors, _) in zip(rows, ks, trees):
-            if ancestors is not None:  # a decode token (None) sees only itself: already set
+            if ancestors is not None and anc is not None:  # a decode token (None) sees only itself: already set
                 anc[r, :k, :k] = ancestors
         last[rows] = rows * t + ks - 1
         write_pos[:] = base[:, None] + np.arange(t)  # a padding row: base 0, positions [0, T)
@@ -221,18 +224,9 @@ class StaticStep:
             if inv_t != self._inv_t:  # a fill on the device, queued: no copy, no wait
                 self.inv_t.fill_(inv_t)
                 self._inv_t = inv_t
-        self._copy_in()
+        self.ints.copy_(torch.from_numpy(ints))
+        self.bools.copy_(torch.from_numpy(bools))
         return index
-
-    def _copy_in(self) -> None:
-        """The host's buffers to the device's, the trees' `sees` columns from the ancestor matrices first."""
-        if self.sees is not None:
-            b, t = self.b, self.t
-            sees = self._host_bools[b * t :].reshape(b, self.g, t, t + 2)
-            sees[..., 0] = True  # the committed prefix; the last column (after the row's tokens) stays False
-            sees[..., 1 : t + 1] = self._host_anc[:, None]
-        self.ints.copy_(torch.from_numpy(self._host_ints))
-        self.bools.copy_(torch.from_numpy(self._host_bools))
 
     def run(self) -> torch.Tensor:
         """The forward over the buffers -> logits: [B * T, vocab] by slot (padding rows included), [B, vocab]
@@ -254,15 +248,17 @@ class StaticStep:
         """Additive mask [B, 1, G * T, L] in the cache's dtype (G query heads of each KV head folded into the
         query axis, as `_StaticAttention` folds them): token (b, t) sees position l of its row when l is before
         the row's base (its committed prefix) or l = base + j with j an ancestor of t (itself included). Chains
-        (gathered rows, one token a row: j <= t) in two or three ops, trees in four: each query row's `sees`
-        gathered at column clamp(l + 1 - base, 0, T + 1)."""
+        (gathered rows, one token a row: j <= t) in two or three ops, trees in five: each token's `sees`,
+        repeated for the G heads (a copy of the small table, not G times the host's work), gathered at column
+        clamp(l + 1 - base, 0, T + 1)."""
         b, g, t, l = self.b, self.g, self.t, self.l
         if self.sees is None:  # chains: position base + j is token j's, an ancestor of every token from j on
             limit = self.base[:, None] if t == 1 else self.base[:, None] + self.depth  # [B, G*T]
             visible = self.keys <= limit[:, :, None]  # [B, G*T or 1, L]
         else:
             column = (self.keys - self.base[:, None]).clamp_(0, t + 1)  # [B, L]
-            visible = self.sees.gather(2, column[:, None, :].expand(b, g * t, l))  # [B, G*T, L]
+            sees = self.sees[:, None].expand(b, g, t, t + 2).reshape(b, g * t, t + 2)  # query row g * T + t
+            visible = sees.gather(2, column[:, None, :].expand(b, g * t, l))  # [B, G*T, L]
         return torch.where(visible, self.seen, self.unseen)[:, None].expand(b, 1, g * t, l)
 
 
