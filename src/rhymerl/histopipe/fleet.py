@@ -1,39 +1,23 @@
-"""One sync step on every worker at once, with migration between them (docs/design.md, section 4,
-"HistoPipe, part by part": Migration).
+"""One sync step on every worker at once, with migration between them (docs/design.md, section 4, Migration).
 
-`simulate`'s workers run apart (`batching.run_worker`, one call each). Migration needs them together: a
-worker that runs out of work takes requests from others mid-step. This is the same batching model (fixed
-slots, a freed slot refilled for the next step, a step of n sequences costing `step_cost[n]` plus attention)
-driven by one clock over all workers: each worker's next event is its next finish; a moved request leaves
-its worker at that worker's next step boundary and, on its new worker, first re-prefills the tokens it has
-generated (the prompt left out, as everywhere here; `reprefill`), then decodes on. Without migration it
-gives `run_worker`'s times exactly (tested).
+`simulate`'s workers run apart (`batching.run_worker`). Migration needs them together: the same batching
+model (fixed slots, a freed slot refilled for the next step, a step of n costing `step_cost[n]` plus
+attention) on one clock over all workers, each worker's next event its next finish; a moved running request
+leaves at its worker's next step boundary and, on its new worker, first re-prefills the tokens it generated
+(`reprefill`), then decodes on. Without migration it gives `run_worker`'s times exactly (tested).
 
-Rules (`migration`):
-- "half_busiest" (what `rollout.migration` does today): a worker out of work takes half the unfinished
-  requests of the worker with the most: waiting ones first (the last queued first), then the running ones
-  furthest past their predicted length;
-- "tail" (the paper's): a request is moved when it is in its group's tail, among the last `tail_share` of
-  the group's requests still unfinished, and has grown past (1 + `grow`) x its prompt's history prediction
-  (its group's predicted longest member). Each worker out of work takes one such request, from the worker
-  running the most sequences; a request alone on its worker is left there (moving it gains nothing);
-- "steal": a worker whose own queue has run dry while it has a free slot takes waiting requests (never
-  running ones: nothing to re-prefill, nothing to hand over but the request) from the back of the longest
-  queue (longest-first admission leaves the shortest predicted there), half of that queue up to its free
-  slots. The plan balanced predicted work; this evens out what the predictions got wrong while there is
-  still waiting work to move. Moved siblings no longer share their group's worker.
-- "remaining" (`rebalance.py`, shared with the rollout worker): a worker that runs dry takes, from the worker
-  whose predicted end is latest, the requests with the most predicted remaining work (running ones priced
-  from their live censored prediction given the tokens they hold), each while the move shortens the later
-  of the two (both priced as the batches they run in, the re-prefill included: `rebalance.Batch`); it asks
-  again each time it runs dry.
-- "early" (with "remaining": the siblings' early warning): each worker admits one member of each of its
-  groups first (`early_warning.probe_order`), so every group has a running witness early; once a group's
-  member (running, or finished) passes a waiting sibling's predicted length, that sibling is priced at the live
-  prediction past that member's tokens (`predict_past`) and admitted before the worker's other waiting ones
-  (`early_warning`, shared with the rollout worker).
-  A group whose length rank shifted between epochs is then seen, and moved, before its members start late.
-Rules combine with "+" (e.g. "steal+tail").
+Rules (`migration`; each in full in docs/design.md, section 4, "Migration"):
+- "half_busiest" (the pool's default): a worker out of work takes half the unfinished requests of the one
+  with the most, waiting ones first (the last queued first), then running ones furthest past their prediction;
+- "tail" (the paper's, `deferral.py`): each worker out of work takes one running request in its group's
+  tail grown past (1 + `grow`) x its group's predicted longest member, from the worker running the most;
+- "steal": a worker with a dry queue and a free slot takes waiting requests from the longest queue's back;
+- "remaining" (`rebalance.py`, shared with the rollout worker): a worker that runs dry takes, from the latest
+  predicted end, the requests with the most predicted remaining work while each move pays;
+- "early" (`early_warning.py`, shared with the rollout worker): one member of each group admitted first;
+  waiting siblings renewed (repriced, admitted first) once a member passes their predicted length;
+- "push" (`push.py`, simulated only; implies "early"): a worker predicted late gives the earliest waiting work.
+Rules combine with "+" (e.g. "steal+tail", "half_busiest+push").
 
 Every finish is reported to `predictor.observe_finished` when a predictor is given, and the running
 requests' predicted lengths are then its live `predict` (what "furthest past predicted" reads).
@@ -43,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -51,6 +35,7 @@ from rhymerl.histopipe.batching import Cost, decode_costs, per_key_cost, reprefi
 from rhymerl.histopipe.deferral import GROW, TAIL_SHARE, tail_size, threshold as tail_threshold
 from rhymerl.histopipe.pieces import Piece
 from rhymerl.histopipe.early_warning import evidence, probe_order, renewed_first, renewed_length
+from rhymerl.histopipe.push import Ends, give_order, pushes
 from rhymerl.histopipe.rebalance import batches, donors, moves, remaining_work
 from rhymerl.histopipe.timeline import Timeline
 
@@ -82,7 +67,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     with `migration` (None, or one of MIGRATIONS; see the module doc). `predicted[g]`: group g's predicted
     request lengths (its history's). Returns the timeline and the number of requests moved."""
     rules = set(migration.split("+")) if migration else set()
-    if migration is not None and not rules <= {"half_busiest", "tail", "steal", "remaining", "early"}:
+    if migration is not None and not rules <= {"half_busiest", "tail", "steal", "remaining", "early", "push"}:
         raise ValueError(f"unknown migration {migration!r}; choose from {', '.join(MIGRATIONS)}")
     step_cost, per_key = decode_costs(cost_model, slots), per_key_cost(cost_model)
     reqs = [(g, i) for g, ls in enumerate(lengths) for i in range(len(ls))]
@@ -91,10 +76,9 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     unfinished = [len(ls) for ls in lengths]
     threshold = [tail_threshold(max(predicted[g]), grow) for g, _ in reqs]
     workers = [_Worker([rid[(g, i)] for g, idx in pieces for i in idx]) for pieces in assignment]
-    early = "early" in rules
-    if early:
-        for wk in workers:
-            wk.queue = deque(probe_order(list(wk.queue), [reqs[r][0] for r in wk.queue]))
+    early, priced = bool(rules & {"early", "push"}), bool(rules & {"remaining", "push"})
+    for wk in workers if early else []:
+        wk.queue = deque(probe_order(list(wk.queue), [reqs[r][0] for r in wk.queue]))
     longest_done = [0.0] * len(lengths)  # "early": a group's longest finished member
     where = {r: w for w, wk in enumerate(workers) for r in wk.queue}
     if sorted(where) != list(range(len(reqs))):
@@ -141,6 +125,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
         wk = workers[w]
         if "steal" in rules and not wk.queue and len(wk.running) < slots:
             steal(w)
+        if "push" in rules and wk.queue:
+            push(w)
         if early and wk.queue and len(wk.running) < slots:  # renewed ones first, longest first; the rest as queued
             wk.queue = deque(renewed_first(wk.queue, renew))
         while wk.queue and len(wk.running) < slots:  # refill the free slots before the next step
@@ -164,7 +150,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
             _, r = heapq.heappop(wk.watch)
             if r in wk.admitted:  # still running here, past its threshold
                 candidates.add(r)
-        if "remaining" in rules:
+        if priced:
             estimate(w)
         if wk.running:
             nxt = min(wk.running[0][0], wk.watch[0][0] if wk.watch else math.inf, wk.recheck)
@@ -261,7 +247,8 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                     break
 
     plen: list[float] = [0.0] * len(reqs)  # "remaining": each request's predicted length, renewed once passed
-    ends: list[float | None] = [None] * len(workers)  # "remaining": each worker's predicted end
+    ending = Ends(len(workers), heap="push" in rules)  # "remaining", "push": each worker's predicted end
+    ends = ending.end
 
     def predicted_length(r: int, done: float) -> float:
         if plen[r] <= done:  # not asked yet, or run past it: the live prediction given what it holds
@@ -298,7 +285,7 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
     def estimate(w: int) -> None:  # "remaining": w's predicted end, and when to look again (see the doc)
         wk = workers[w]
         rs, _, works, _ = remaining(w)
-        ends[w] = wk.clock + sum(works) if rs else None
+        ending.set(w, wk.clock + sum(works) if rs else None)
         wk.recheck = min((math.ceil(wk.admitted[r] + max(plen[r], (wk.step - wk.admitted[r]) * 1.02 + 16))
                           for _, r in wk.running), default=math.inf)  # whole steps, as everywhere here
 
@@ -313,6 +300,19 @@ def simulate_fleet(lengths: Sequence[Sequence[int]], assignment: Sequence[Sequen
                 take(src, idle_w, [rs[i] for i in picked], now)
                 return True
         return False
+
+    def push(w: int) -> None:  # "push" (push.py): w gives waiting requests to the earliest predicted end
+        nonlocal moved
+        wk = workers[w]
+        order = give_order(list(wk.queue), lambda r: reqs[r][0], renew, Counter(reqs[r][0] for r in wk.admitted))
+        for r, v in pushes(order, w, ending, lambda r: remaining_work(0.0, renewed[r] or predicted_length(r, 0.0),
+                                                                      step_cost[slots] / slots, per_key),
+                           lambda v: bool(workers[v].running)):
+            wk.queue.remove(r)
+            workers[v].queue.append(r)
+            if r in wk.carried:  # moved here before, not admitted yet: what it carries moves on
+                workers[v].carried[r], workers[v].prefill[r] = wk.carried.pop(r), wk.prefill.pop(r)
+            where[r], moved = v, moved + 1
 
     pending: set[int] = set()  # workers whose watches changed off their own events: rescheduled next
     for w in range(len(workers)):
