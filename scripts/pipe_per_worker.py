@@ -11,8 +11,9 @@ as its speculator holds it after epoch 1 (`cost`: a plain full-batch step and on
 sequence; `ratio`: the online correction's measured/predicted by (batch bucket, drafting)) and epoch 1's
 per-worker counts.
 
-histopipe plans in predicted forwards (`histopipe.pricing`: each prompt's rate replayed from its recorded
-tokens), histopipe_tokens in tokens (the old pricing). Prints one JSON object per (round, schedule) on stdout; progress on stderr.
+histopipe plans in the replayed units (`histopipe.pricing.ReplayedRates`: each prompt's rate replayed from its
+recorded tokens under HistoSpec's drafting; `pred_units` per worker, `pred_forwards` at the replayed tokens per
+forward), histopipe_tokens in tokens (the old pricing). Prints one JSON object per (round, schedule) on stdout; progress on stderr.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rhymerl.cost_model import CostModel
 from rhymerl.engine.sampling_params import SamplingParams
 from rhymerl.histopipe.batching import decode_costs, worker_time
 from rhymerl.histopipe.predict import LengthPredictor
+from rhymerl.histopipe.pricing import ReplayedRates
 from rhymerl.history import HistoryStore
 from rhymerl.rollout import RolloutGroup, WorkerConfig
 from rhymerl.rollout.factory import make_pool
@@ -85,7 +87,8 @@ def main() -> None:
         for i, p in enumerate(prompts):
             pool.record(p, [o.token_ids for o in first.outputs[i * n:(i + 1) * n]])
         print("epoch 1 recorded", file=sys.stderr)
-        print(json.dumps({"epoch1": per_request(first.outputs, n), "cost_from": args.cost_from,
+        print(json.dumps({"epoch1": per_request(first.outputs, n), "cost_from": args.cost_from, "slots": slots,
+                          "epoch1_responses": [pool.history.responses(p) for p in prompts],  # to replay offline
                           "worker_costs": [worker_cost(s, slots) for s in pool.spec_state()],
                           "epoch1_workers": [worker_counts(s) for s in first.workers]}), flush=True)
         params = SamplingParams(temperature=w.temperature, max_tokens=w.max_tokens, seed=2000)
@@ -94,6 +97,9 @@ def main() -> None:
         predictor = LengthPredictor.from_history(pool.history, prompts, cap=w.max_tokens)
         rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward (pricing="measured", the rule before)
         replayed = pool.replayed.rates(pool.history, prompts, cost, slots)  # pricing="forwards": from the tokens
+        per_fwd = ReplayedRates(MAX_DRAFT_TOKENS, unit="forwards").rates(pool.history, prompts, cost, slots)
+        print(json.dumps({"replayed_rates": [round(x, 3) for x in replayed], "unit": pool.replayed.unit,
+                          "replayed_tokens_per_forward": [round(x, 3) for x in per_fwd]}), flush=True)
         for r in range(args.rounds):
             for schedule in args.schedules.split(","):
                 pool.schedule, pool.migration = schedule.removesuffix("_tokens"), False  # histopipe_tokens: the old pricing
@@ -107,15 +113,17 @@ def main() -> None:
                 rows = []
                 for wk, share in enumerate(plan):
                     pred = [predictor.predict_group(prompts[g], n)[i] for g, idx in share for i in idx]
-                    fwd_pred = [predictor.predict_group(prompts[g], n)[i] / replayed[g]
-                                for g, idx in share for i in idx]  # as histopipe prices them
+                    units_pred = [predictor.predict_group(prompts[g], n)[i] / replayed[g]
+                                  for g, idx in share for i in idx]  # as histopipe prices them
+                    fwd_pred = [predictor.predict_group(prompts[g], n)[i] / per_fwd[g] for g, idx in share for i in idx]
                     ids = [gs[g].request_ids[i] for g, idx in share for i in idx]
                     actual = [len(by_id[x].token_ids) for x in ids]
                     st = next(s for s in result.workers if s.worker == wk)
                     e, sp = st.engine, st.spec
                     rows.append({
                         "worker": wk, "requests": len(ids), "groups": [g for g, _ in share],
-                        "pred_tokens": round(sum(pred)), "pred_forwards": round(worker_time(fwd_pred, slots, flat)), "pred_s": round(worker_time(pred, slots, step_cost), 3),
+                        "pred_tokens": round(sum(pred)), "pred_forwards": round(worker_time(fwd_pred, slots, flat)),
+                        "pred_units": round(worker_time(units_pred, slots, flat)), "pred_s": round(worker_time(pred, slots, step_cost), 3),
                         "true_len_model_s": round(worker_time(actual, slots, step_cost), 3),
                         "tokens": e.generated_tokens, "forwards": e.forward_passes, "seq_steps": e.seq_steps,
                         "tok_per_seq_fwd": round(e.tokens_per_seq_forward, 3),

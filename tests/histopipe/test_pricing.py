@@ -5,6 +5,8 @@ engine's forwards exactly (the premise of pricing in forwards)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from rhymerl.histopipe.batching import worker_time
 from rhymerl.histopipe.plan import plan_pieces
 from rhymerl.histopipe.pricing import (PRIOR_FORWARDS, FlatStepCost, ReplayedRates, TokensPerForward,
                                        speculative_step_cost)
-from rhymerl.histopipe.replay import draftable_runs, replay_walk
+from rhymerl.histopipe.replay import Replay
 from rhymerl.histospec.speculator import Speculator
 from rhymerl.history import HistoryStore
 
@@ -114,25 +116,43 @@ def test_the_worker_model_on_per_request_forwards_counts_the_engines_forwards():
     assert sum(len(o.token_ids) for o in outs) > sum(o.forwards for o in outs)  # drafts were accepted
 
 
-def test_draftable_runs_read_the_other_responses_and_the_own_tokens():
-    """A response copied from a sibling drafts whole from it; one of unseen tokens matches nothing (-1: no
-    draft); a response repeating itself drafts from its own committed tokens, never past them."""
-    prompt = [1, 2, 3]
-    copied = list(range(10, 30))
-    fresh = list(range(100, 120))
-    runs = draftable_runs(prompt, [copied, list(copied), fresh], max_draft=8)
-    assert runs[1] == [-1] + [min(8, 20 - i) for i in range(1, 20)]
-    assert runs[2] == [-1] * 20
-    own = draftable_runs(prompt, [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7]], max_draft=8)[0]
-    assert own[:5] == [-1, -1, -1, -1, -1] and own[5] == 3  # after 7, 8, 9, 7, 8: 9, 7, 8 committed to copy
+CHEAP = CostModel([1, 4], [1, 16], [[0.010, 0.011], [0.010, 0.011]])  # drafting nearly free: every node pays
 
 
-def test_the_replay_walk_verifies_at_most_the_draft_length():
-    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 0) == (7, 0)  # a token a forward
-    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 2) == (5, 2)  # token 0; 1-3 (2 drafted); 4; 5; 6
-    assert replay_walk([-1, 3, -1, 0, -1, -1, -1], 8) == (4, 8)  # token 0; 1-4 (8 drafted); 5; 6
-    assert replay_walk([-1, 1, -1, 0, -1], 2) == (4, 4)  # token 0; 1-2; 3 (2 drafted, none taken); 4
-    assert replay_walk([], 8) == (0, 0)
+def test_the_replay_drafts_a_copied_answer_whole_and_unseen_tokens_not_at_all():
+    """Leave-one-out: an answer its siblings hold word for word takes its prefill and one forward (a 2-token
+    match drafts the rest, up to max_draft); an answer of unseen tokens takes a forward a token and verifies
+    no draft. Before `warm` the calibration's prior (half the share a depth) keeps the deep nodes out."""
+    copied, fresh = list(range(10, 30)), list(range(100, 120))
+
+    def replayed(max_draft, warm=True):
+        replay = Replay(CHEAP, slots=4, max_draft=max_draft)
+        if warm:
+            replay.warm([1, 2, 3], [copied, list(copied), fresh])
+        return replay.prompt([1, 2, 3], [copied, list(copied), fresh])
+
+    got = replayed(32)
+    assert (got[1].tokens, got[1].forwards) == (20, 2)
+    assert (got[2].tokens, got[2].forwards, got[2].drafted, got[2].units) == (20, 20, 0, 20.0)
+    assert replayed(4)[1].forwards == 1 + 4  # 19 tokens after the prefill, 4 + 1 a forward: 4 forwards
+    assert replayed(0)[1].forwards == 20
+    assert replayed(32, warm=False)[1].forwards > 2
+
+
+def test_the_replay_drafts_histospecs_tree_by_counts_not_the_latest_occurrence():
+    """HistoSpec's drafter grows a tree by how often each continuation follows the match. Three answers go on
+    after a common phrase X with A, A, B (B the latest recorded); a fourth, X then A, replayed against the
+    three: its draft after X's first two tokens holds X's rest then A (2 of 3) and B, so one forward commits
+    X's rest and all of A. The suffix matcher this replaced drafted one chain from the latest occurrence (B):
+    7 forwards, where HistoSpec's drafter takes 6."""
+    f = [[100, 101, 102], [110, 111, 112], [120, 121, 122], [130, 131, 132]]  # each answer's own start
+    x, a, b = list(range(20, 26)), list(range(40, 46)), list(range(60, 66))
+    answers = [f[0] + x + a, f[1] + x + a, f[2] + x + b, f[3] + x + a]
+    replay = Replay(CHEAP, slots=4, max_draft=16)
+    replay.warm([1, 2, 3], answers)
+    got = replay.prompt([1, 2, 3], answers)[3]
+    assert got.forwards == 6  # prefill; f's 2 tokens, x0, x1 one a forward; then x2..x5 + a in one
+    assert got.drafted == 16  # the whole tree verified: x's 4, a's 6, b's 6
 
 
 def test_replayed_rates_follow_the_tokens_and_the_cost_model_not_the_timing():
@@ -143,10 +163,35 @@ def test_replayed_rates_follow_the_tokens_and_the_cost_model_not_the_timing():
     answer = list(range(10, 50))
     history.record_rollout([1, 2], [answer] * 4)
     history.record_rollout([3], [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)])
-    cheap = CostModel([1, 4], [1, 16], [[0.010, 0.011], [0.010, 0.011]])
-    rates = ReplayedRates(max_draft_tokens=8).rates(history, [[1, 2], [3], [9]], cheap, slots=4)
+    rates = ReplayedRates(max_draft_tokens=8, unit="forwards").rates(history, [[1, 2], [3], [9]], CHEAP, slots=4)
     assert rates[0] == pytest.approx(160 / (4 * 6))  # 40 tokens: the prefill's, then 8 + 1 a forward (4 x 9, 3)
     assert rates[1] == 1.0
     assert rates[2] == pytest.approx(320 / (24 + 160))
     dear = CostModel([1, 4], [1, 16], [[0.010, 1.0], [0.010, 1.0]])
     assert ReplayedRates(max_draft_tokens=8).rates(history, [[1, 2], [3]], dear, slots=4) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="unit"):
+        ReplayedRates(8, unit="seconds")
+
+
+def test_replayed_steps_price_a_wide_forward_at_what_the_cost_model_says_it_costs():
+    """unit="steps": a forward verifying a wide draft counts as its full-batch step over a plain one's. Where a
+    step verifying 8 drafts a row costs twice a plain one (and still pays: 9 tokens for 2), the copied
+    answers' tokens per step are near half their tokens per forward; where drafting is nearly free, the two
+    agree to a few percent."""
+    history = HistoryStore()
+    history.record_rollout([1, 2], [list(range(10, 50))] * 4)
+    twice = CostModel([1, 4], [1, 9], [[0.010, 0.020], [0.010, 0.020]])
+    per_fwd = ReplayedRates(8, unit="forwards").rates(history, [[1, 2]], twice, slots=4)[0]
+    per_step = ReplayedRates(8, unit="steps").rates(history, [[1, 2]], twice, slots=4)[0]
+    assert per_fwd == pytest.approx(160 / 24)
+    # a response: its prefill (1), 4 forwards verifying 8 (2 each), the last verifying the 3 left (1 + 3/8)
+    assert per_step == pytest.approx(160 / (4 * (1 + 4 * 2 + 1.375)))
+    cheap = [ReplayedRates(8, unit=u).rates(history, [[1, 2]], CHEAP, slots=4)[0] for u in ("forwards", "steps")]
+    assert cheap[1] == pytest.approx(cheap[0], rel=0.05)
+
+
+def test_the_pricing_and_its_replay_do_not_import_torch():
+    """The replay drafts with HistoSpec's torch-free parts only, so the planner stays torch-free."""
+    code = ("import sys\nfrom rhymerl.histopipe import pricing, replay\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

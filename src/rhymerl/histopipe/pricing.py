@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.batching import Cost
-from rhymerl.histopipe.replay import draftable_runs, replay_walk
+from rhymerl.histopipe.replay import Replay, Replayed
 from rhymerl.history import HistoryStore, prompt_key
 
 MIN_RATE = 1.0  # a request commits at least its token per forward (a rate below is prefill's share)
@@ -99,70 +99,66 @@ class TokensPerForward:
                 "rates": {k: list(v) for k, v in self._rates.items()}}
 
 
-DRAFT_LENGTHS = (1, 2, 4, 8, 16, 32)  # the draft lengths `ReplayedRates` weighs (each up to max_draft_tokens)
 # The tokens of a prompt's responses `ReplayedRates` replays at most, each response cut to its share: the
-# replay runs in the driver in pure Python (about 0.25 s per 12,000 tokens on a Zen 4 core), so a 128-prompt
-# call of 8 x 1,500-token histories costs ~5 s, not ~35; the rate is then the responses' first tokens'.
+# replay runs in the driver in pure Python (HistoSpec's drafter and budget at every replayed forward, twice:
+# `Replay.warm`, then the count; about 0.35 s for the recorded workload's 4,442 tokens on a Zen 4 core), so a
+# 128-prompt call of 8 x 1,500-token histories costs ~20 s, not ~150; the rate is then the first tokens'.
 MAX_REPLAYED_TOKENS = 2048
+UNITS = ("forwards", "steps")  # what `ReplayedRates` counts a prompt's tokens against
 
 
 class ReplayedRates:
-    """Per prompt, the tokens per forward its recorded responses replay at (`replay.draftable_runs`), at one
-    draft length k for the call (0, DRAFT_LENGTHS and `max_draft_tokens`, up to it): the one under which a
-    full batch of `slots` sequences drafting like the call's prompts commits the most tokens per second by
-    the cost model (`CostModel.step` fed the replay's draft tokens per forward: k wherever a match proposed a
-    draft; k = 0: a plain step). One k for all, as HistoSpec's budget is the step's, not a prompt's: a
-    prompt's rate does not jump to 1 where its own drafts alone would not pay. Counted from tokens only, so
-    the same in every run (module doc). A prompt without history takes the mean of the call's prompts with
-    one (tokens over forwards), else MIN_RATE. Each prompt's replay is kept while its recorded responses stay
-    the same; a prompt's responses are cut to MAX_REPLAYED_TOKENS in all."""
+    """Per prompt, its tokens per unit of work as its recorded responses replay under HistoSpec's drafting
+    (`replay.Replay`: its drafter on `SuffixIndex`es, its budget under the cost model for a full batch of
+    `slots`, its calibration warmed on the call's prompts): `unit="forwards"`, tokens per forward;
+    `unit="steps"`, tokens per plain full-batch step's worth of cost model seconds (a forward verifying a
+    wide draft counts as the `CostModel.step` it costs over a plain one's), the unit a worker's seconds
+    follow when a wide step costs several plain ones (docs/design.md, section 4, Pricing). Counted from
+    tokens and the cost model only, so the same in every run (module doc). A prompt without history takes
+    the mean of the call's prompts with one (tokens over units), else MIN_RATE; each prompt's responses are
+    cut to MAX_REPLAYED_TOKENS in all."""
 
-    def __init__(self, max_draft_tokens: int):
+    def __init__(self, max_draft_tokens: int, unit: str = "steps"):
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
-        self.max_draft = max_draft_tokens
-        self._runs: dict[str, tuple[int, list[list[int]]]] = {}  # prompt key -> (its responses' hash, runs)
+        if unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+        self.max_draft, self.unit = max_draft_tokens, unit
+
+    def replay(self, history: HistoryStore, prompts: Sequence[Sequence[int]], cost: Cost,
+               slots: int) -> list[list[Replayed] | None]:
+        """Per prompt, its responses replayed (None: no history): the calibration warmed on all of them first.
+        A cost that is not a `CostModel` (a plain callable) is read as one on its (tokens, seqs)."""
+        model = cost if isinstance(cost, CostModel) else _AsModel(cost)
+        replay = Replay(model, slots, self.max_draft)
+        cut = []
+        for p in prompts:
+            responses = [r for r in history.responses(p) if r]
+            share = max(MAX_REPLAYED_TOKENS // max(len(responses), 1), 16)
+            cut.append([r[:share] for r in responses])
+        for p, responses in zip(prompts, cut):
+            replay.warm(p, responses)
+        return [replay.prompt(p, responses) if responses else None for p, responses in zip(prompts, cut)]
 
     def rates(self, history: HistoryStore, prompts: Sequence[Sequence[int]], cost: Cost, slots: int) -> list[float]:
-        """Each prompt's tokens per forward (at least MIN_RATE), in order."""
-        kept, runs = {}, []
-        for p in prompts:
-            key, responses = prompt_key(p), [r for r in history.responses(p) if r]
-            if not responses:
-                runs.append(None)
-                continue
-            share = max(MAX_REPLAYED_TOKENS // len(responses), 16)
-            responses = [r[:share] for r in responses]
-            digest = hash(tuple(map(tuple, responses)))
-            if self._runs.get(key, (None,))[0] != digest:
-                self._runs[key] = (digest, draftable_runs(p, responses, self.max_draft))
-            kept[key] = self._runs[key]
-            runs.append(kept[key][1])
-        self._runs = kept  # the call's prompts only: bounded by a call's size
-        k = self.draft_length([r for r in runs if r is not None], cost, slots)
-        counted = [None if r is None else (sum(map(len, r)), sum(replay_walk(x, k)[0] for x in r)) for r in runs]
+        """Each prompt's tokens per unit (at least MIN_RATE), in order."""
+        counted = [None if r is None else (sum(x.tokens for x in r),
+                                           sum(x.forwards if self.unit == "forwards" else x.units for x in r))
+                   for r in self.replay(history, prompts, cost, slots)]
         backed = [c for c in counted if c is not None]
-        tokens, forwards = sum(t for t, _ in backed), sum(f for _, f in backed)
-        mean = tokens / forwards if forwards else MIN_RATE
-        return [max(MIN_RATE, mean if c is None else c[0] / max(c[1], 1)) for c in counted]
+        tokens, work = sum(t for t, _ in backed), sum(w for _, w in backed)
+        mean = tokens / work if work else MIN_RATE
+        return [max(MIN_RATE, mean if c is None else c[0] / max(c[1], 1e-9)) for c in counted]
 
-    def draft_length(self, runs: list[list[list[int]]], cost: Cost, slots: int) -> int:
-        """The draft length that pays best for these prompts' replays (per prompt, per response, the
-        `draftable_runs`) together (ties: the shorter)."""
-        flat = [r for prompt in runs for r in prompt]
-        tokens = sum(map(len, flat))
-        best, best_speed = 0, -1.0
-        for k in sorted({0, *DRAFT_LENGTHS, self.max_draft}):
-            if k > self.max_draft or not tokens:
-                break
-            walks = [replay_walk(r, k) for r in flat]
-            forwards, drafted = max(sum(f for f, _ in walks), 1), sum(d for _, d in walks)
-            fed = round(slots * drafted / forwards)  # a full step's draft tokens
-            step = cost.step(slots, slots, fed, k) if isinstance(cost, CostModel) else cost(slots + fed, slots)
-            speed = tokens / forwards / max(step, 1e-12)
-            if speed > best_speed * (1 + 1e-9):
-                best, best_speed = k, speed
-        return best
+
+class _AsModel:
+    """A plain cost callable (tokens, seqs) -> seconds read as a `CostModel`'s `step`."""
+
+    def __init__(self, cost: Cost):
+        self.cost = cost
+
+    def step(self, base_tokens: int, seqs: int, draft_tokens: int = 0, longest_draft: int = 0) -> float:
+        return self.cost(base_tokens + draft_tokens, seqs)
 
 
 class FlatStepCost:

@@ -1,105 +1,149 @@
 """How well a prompt's answers draft, read from its recorded tokens alone (docs/design.md, section 4, Pricing).
 
-HistoPipe prices a request under HistoSpec in predicted forwards, its predicted tokens over its prompt's
-tokens per forward. Measured in the calls (`RequestOutput.forwards`) that rate follows each worker's timing:
-HistoSpec drafts what its cost model, its online correction and its pause (drafts that stopped paying, by
-the wall clock) say, so one prompt ran at 1.07 to 2.35 tokens per forward over four runs on the same tokens.
-Here it is counted from the tokens instead, which keyed sampling makes the same in every run: each recorded
-response of the prompt is replayed against a suffix-match drafter that drafts from the prompt's other
-recorded responses and from the response's own earlier tokens (HistoSpec's sources: history, siblings,
-self), and `draftable_runs` gives, at each position, how many of the next tokens the draft would have
-matched (-1 where nothing matched: no draft). A walk at a fixed draft length k (`replay_walk`) then counts
-the forwards, one committing min(run, k) + 1 tokens, and the draft tokens verified (k wherever a match
-proposed a draft, accepted or not). `pricing.ReplayedRates` picks k from the cost model.
+HistoPipe prices a request under HistoSpec by what its prompt's answers cost per token. Measured in the
+calls (`RequestOutput.forwards`) that cost follows each worker's timing (HistoSpec's online correction of
+its cost model, its pause when drafts stop paying by the clock), so one prompt ran at 1.07 to 2.35 tokens a
+forward over four runs on the same tokens. Here it is counted from the tokens instead, which keyed sampling
+makes the same in every run: each recorded response of the prompt is decoded again, token by token, by
+HistoSpec's own drafter, budget and calibration, with the response's recorded tokens as the draws:
 
-The drafter replayed is simpler than HistoSpec's (one chain, from the latest occurrence of the longest
-match in HistoSpec's window, where HistoSpec grows a tree by counts and verifies what its calibration
-expects to pay): it ranks prompts by how well they draft, which is what the plan needs, not each forward.
+- the sources are HistoSpec's (`histospec.drafter.Drafter`, on `SuffixIndex`es): "history", the prompt's
+  other recorded responses (leave-one-out: a new answer is drawn as the recorded ones were), each behind the
+  prompt's last `SIBLING_PROMPT_TOKENS` tokens as `HistoryIndex` indexes them; "self", the prompt and the
+  response's committed tokens. "siblings" is left out: the other recorded responses stand for the running
+  group's answers, and whole, where the engine's siblings are only as far as they got;
+- the drafter's settings are the speculator's: a `MATCH_WINDOW`-token window down to 2, trees of
+  `max_draft` nodes at most, `MAX_BRANCHES` children a node, the longest match winning, ties to the source
+  most certain of the next token;
+- the nodes verified are those HistoSpec's budget keeps (`budget.uniform_cap`) for a full batch of `slots`
+  rows drafting like this one, under the cost model (`CostModel.step`), each node valued at its path
+  probability x the edge calibration's discount (`EdgeCalibration`, learnt from the replayed verifications
+  as the engine learns from its own);
+- a forward commits the draft's path the recorded response follows, plus one token.
+
+Left out, as timing-driven: the online correction and the pause (`Speculator._pays`, against CPU time);
+also each sequence's idle rounds (`SeqSpec.drafts_now`), which save drafting time, not forwards. Per
+response the replay counts its forwards and its steps' cost in plain full-batch steps (`units`: each
+forward's `CostModel.step` for `slots` rows drafting its kept width, over a plain step's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-WINDOW = 7  # the longest context suffix matched (HistoSpec's `SuffixIndex.longest_match` window)
-MIN_MATCH = 2  # the shortest (its min_len)
+from rhymerl.cost_model import CostModel
+from rhymerl.histospec import budget
+from rhymerl.histospec.calibration import EdgeCalibration, edge_events, match_class
+from rhymerl.histospec.drafter import Draft, Drafter
+from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS
+from rhymerl.histospec.suffix_index import SuffixIndex
 
-
-def _index(sources: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[tuple[int, int]]]:
-    """n-gram (MIN_MATCH..WINDOW tokens) -> its two latest occurrences from distinct sources, newest first,
-    each (source, index of the token after it); only occurrences with a continuation."""
-    out: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for s, seq in enumerate(sources):
-        for end in range(MIN_MATCH, len(seq)):  # a continuation: seq[end] exists
-            for m in range(MIN_MATCH, min(WINDOW, end) + 1):
-                key = tuple(seq[end - m:end])
-                hits = out.get(key)
-                if hits is None:
-                    out[key] = [(s, end)]
-                elif hits[0][0] == s:
-                    hits[0] = (s, end)
-                else:
-                    out[key] = [(s, end), hits[0]]
-    return out
+MAX_BRANCHES = 4  # the speculator's default tree fan-out (`Speculator(max_branches=4)`)
 
 
-def _common(a: Sequence[int], i: int, b: Sequence[int], j: int, limit: int, b_end: int | None = None) -> int:
-    """Length of the common prefix of a[i:] and b[j:b_end], at most `limit`."""
-    b_end = len(b) if b_end is None else b_end
-    n = 0
-    while n < limit and i + n < len(a) and j + n < b_end and a[i + n] == b[j + n]:
-        n += 1
-    return n
+@dataclass(frozen=True)
+class Replayed:
+    """One response replayed: its tokens, the forwards that committed them (the prefill's included), the
+    draft tokens they verified, and their cost in plain full-batch steps (`units`: 1 a plain forward)."""
+
+    tokens: int
+    forwards: int
+    drafted: int
+    units: float
 
 
-def draftable_runs(prompt: Sequence[int], responses: Sequence[Sequence[int]], max_draft: int) -> list[list[int]]:
-    """Per response, per position i >= 1: how many of tokens i, i + 1, ... a draft made after token i - 1
-    would have matched (at most `max_draft`). The draft is the continuation of the latest occurrence of the
-    longest suffix (WINDOW down to MIN_MATCH tokens) of prompt + response[:i] in the prompt's other
-    responses (each after the prompt's last WINDOW tokens, as HistoSpec indexes siblings), else in the
-    prompt's tail and the response's own committed tokens (HistoSpec's "self"); at equal length the other
-    responses win, as HistoSpec trusts them more. -1 where no suffix matched (and at position 0, the
-    prefill's token): nothing is drafted there."""
-    tail = list(prompt[-WINDOW:])
-    sources = [tail + list(r) for r in responses]
-    shared = _index(sources)
-    out = []
-    for j, response in enumerate(responses):
-        seq = sources[j]
-        runs = [-1] * len(response)
-        own: dict[tuple[int, ...], int] = {}  # n-gram -> the latest end (index of its next token) committed
-        filled = MIN_MATCH  # own holds the grams ending before this
-        for i in range(1, len(response)):
-            at = len(tail) + i  # seq[:at] is committed; seq[at] is the token to draft
-            for end in range(filled, at):  # each gram's next token seq[end] is committed
-                for m in range(MIN_MATCH, min(WINDOW, end) + 1):
-                    own[tuple(seq[end - m:end])] = end
-            filled = max(filled, at)
-            for m in range(min(WINDOW, at), MIN_MATCH - 1, -1):  # longest match first
-                key = tuple(seq[at - m:at])
-                hit = next((h for h in shared.get(key, ()) if h[0] != j), None)
-                if hit is not None:
-                    runs[i] = _common(seq, at, sources[hit[0]], hit[1], max_draft)
-                    break
-                mine = own.get(key)
-                if mine is not None:  # its continuation is committed up to at only
-                    runs[i] = _common(seq, at, seq, mine, max_draft, b_end=at)
-                    break
-        out.append(runs)
-    return out
+def accepted_path(draft: Draft, actual: Sequence[int]) -> list[int]:
+    """The draft nodes the recorded tokens `actual` (the next ones to commit) follow from the root, in order:
+    with keyed draws the engine's verification walk accepts exactly these (`histospec.verify`)."""
+    children = {(p, t): i for i, (p, t) in enumerate(zip(draft.parents, draft.tokens))}
+    path, node = [], -1
+    for tok in actual:
+        node = children.get((node, tok), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path
 
 
-def replay_walk(runs: Sequence[int], draft: int) -> tuple[int, int]:
-    """(forwards, draft tokens verified) to commit a response whose `draftable_runs` are `runs` when each
-    forward verifies up to `draft` draft tokens: the prefill commits token 0; each forward after it verifies
-    `draft` tokens where a match proposed a draft (its continuation may be shorter: counted whole) and
-    commits min(run, draft) + 1."""
-    if not runs:
-        return 0, 0
-    forwards, drafted, i = 1, 0, 1
-    while i < len(runs):
-        if draft and runs[i] >= 0:
-            drafted += draft
-        i += min(max(runs[i], 0), draft) + 1
-        forwards += 1
-    return forwards, drafted
+class Replay:
+    """HistoSpec's drafting replayed over one prompt's recorded responses (module doc), under one cost model
+    and batch size: `warm` teaches its calibration on the call's prompts, `prompt` then counts one prompt."""
+
+    def __init__(self, cost: CostModel, slots: int, max_draft: int):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots, self.max_draft = slots, max_draft
+        self.drafter = Drafter(max_tokens=max_draft, max_depth=max_draft, max_branches=MAX_BRANCHES,
+                               max_window=MATCH_WINDOW)
+        self.calibration = EdgeCalibration(max(max_draft, 1))
+        self.plain = cost.step(slots, slots)
+        # a row's share of a full step in which every row verifies n draft tokens, the longest `longest`
+        self.row_cost = lambda n, longest=0: cost.step(slots, slots, n * slots, longest) / slots
+
+    def warm(self, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> None:
+        """Teach the calibration how often the drafts of these responses are followed, depth by depth: each
+        replayed with every draft verified whole (unbiased by the budget), every edge counted undecayed, so
+        that the prompts warmed together weigh alike (a warm engine's calibration is its worker's, over all
+        the prompts it ran)."""
+        for response, history in zip(responses, self._histories(prompt, responses)):
+            self._run(list(prompt), list(response), history, learn=True)
+
+    def prompt(self, prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> list[Replayed]:
+        """Each response replayed against the others (its history) and itself, the budget valuing nodes by
+        the calibration as `warm` left it (module doc)."""
+        return [self._run(list(prompt), list(r), h) for r, h in zip(responses, self._histories(prompt, responses))]
+
+    @staticmethod
+    def _histories(prompt: Sequence[int], responses: Sequence[Sequence[int]]) -> list[SuffixIndex | None]:
+        """Per response, the index of the others (leave-one-out), each behind the prompt's tail."""
+        tail = list(prompt[-SIBLING_PROMPT_TOKENS:])
+        out = []
+        for j in range(len(responses)):
+            history = SuffixIndex()
+            for i, other in enumerate(responses):
+                if i != j:
+                    history.extend(history.add(tail), other)
+            out.append(history if history.num_tokens else None)
+        return out
+
+    def _run(self, prompt: list[int], response: list[int], history: SuffixIndex | None,
+             learn: bool = False) -> Replayed:
+        """One response decoded again: the prefill commits its first token, then each forward commits the
+        path of the kept draft the response follows and one token more. `learn`: every draft is kept whole
+        and its edges counted into the calibration (`warm`)."""
+        if not response:
+            return Replayed(0, 0, 0, 0.0)
+        own = SuffixIndex()
+        own.add(prompt)
+        own.extend(0, response[:1])
+        at, forwards, drafted, units = 1, 1, 0, 1.0
+        plain_rate = 1.0 / (self.plain / self.slots)
+        while at < len(response):
+            kept = Draft()
+            if self.max_draft:
+                context = (prompt + response[:at])[-MATCH_WINDOW:]
+                draft = self.drafter.draft(context, history=history, own=own)
+                if draft.tokens and learn:
+                    kept = draft
+                elif draft.tokens:
+                    reach = self.calibration.discounts(match_class(draft.match_len))
+                    values = [p * reach[k] for p, k in zip(draft.probs, draft.depths())]
+                    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+                    keep, _ = budget.uniform_cap([[values[i] for i in order]], self.row_cost, plain_rate)
+                    kept = budget.prune(draft, set(order[:keep[0]]))
+            path = accepted_path(kept, response[at:])
+            if kept.tokens and learn:
+                cal = self.calibration
+                for d, (predicted, continued) in enumerate(edge_events(kept, path)):
+                    cal.num[match_class(kept.match_len)][d] += continued
+                    cal.den[match_class(kept.match_len)][d] += predicted
+            if kept.tokens:
+                units += self.row_cost(len(kept), max(kept.depths())) / (self.plain / self.slots)
+            else:
+                units += 1.0
+            n = min(len(path) + 1, len(response) - at)
+            own.extend(0, response[at:at + n])
+            at, forwards, drafted = at + n, forwards + 1, drafted + len(kept)
+        return Replayed(len(response), forwards, drafted, units)
+
