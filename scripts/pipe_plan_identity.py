@@ -4,7 +4,8 @@
 
 `bench pipe`'s real set-up (the recorded `repeat` task, 12 prompts x 8, 2 Ray workers, fp32, every worker's
 HistoSpec on the `--cost-from` model): epoch 1 is rolled out and recorded, then the plan of epoch 2's groups
-is made, without running it, under `pricing="forwards"` (the rates replayed from the recorded tokens) and
+is made, without running it, under `pricing="forwards"` (the rates replayed from the recorded tokens under
+HistoSpec's drafting, `ReplayedRates`, in its default unit: plain full-batch steps) and
 `pricing="measured"` (epoch 1's own tokens per forward, the rule before). Prints one JSON object: epoch 1's
 tokens per forward per prompt and drafted tokens per worker (the timing-driven counts), both rate vectors,
 both plans and epoch 1's responses. Run it twice: the tokens are the same (keyed draws), the timing is not.
@@ -20,6 +21,7 @@ from rhymerl.bench.pipe_bench import load_cost_model
 from rhymerl.bench.pipe_real import MAX_DRAFT_TOKENS, plan_text, policy_and_prompts, real_workload
 from rhymerl.config import RolloutSection
 from rhymerl.engine.sampling_params import SamplingParams
+from rhymerl.histopipe.pricing import ReplayedRates
 from rhymerl.history import HistoryStore
 from rhymerl.rollout import RolloutGroup, WorkerConfig
 from rhymerl.rollout.factory import make_pool
@@ -53,7 +55,10 @@ def main() -> None:
                "epoch1_drafted_per_worker": [s.spec.drafted if s.spec else 0 for s in first.workers],
                "epoch1_forwards_per_worker": [s.engine.forward_passes for s in first.workers],
                "measured_rates": [round(pool.rates.rate(p), 3) for p in prompts],
-               "replayed_rates": [round(r, 3) for r in pool.replayed.rates(pool.history, prompts, cost, w.slots)]}
+               "replayed_rates": [round(r, 3) for r in pool.replayed.rates(pool.history, prompts, cost, w.slots)],
+               "replayed_unit": pool.replayed.unit,
+               "replayed_tokens_per_forward": [round(r, 3) for r in ReplayedRates(MAX_DRAFT_TOKENS, unit="forwards").rates(
+                   pool.history, prompts, cost, w.slots)]}
         out["epoch1_responses"] = [pool.history.responses(p) for p in prompts]  # to replay offline
         for pricing in ("forwards", "measured"):
             pool.pricing = pricing

@@ -2,7 +2,7 @@
 on epoch 1's recorded tokens beside what epoch 2 ran (`scripts/pipe_per_worker.py`'s calls), per prompt and
 per worker, and the plans each pricing makes.
 
-    PYTHONPATH=src python docs/notebook/data/2026-11-28-replay-rates.py PER_WORKER.jsonl COST.json \
+    PYTHONPATH=src python docs/notebook/data/2026-11-28-replay-rates.py PER_WORKER.jsonl [...] --cost COST.json \
         [--rates-out FILE] [--old-rates FILE]
 
 PER_WORKER.jsonl: `scripts/pipe_per_worker.py`'s output (its first line holds epoch 1's responses; then one line
@@ -12,6 +12,7 @@ predicted forwards and steps; the measured figures are the calls' (forwards: cou
 """
 import argparse
 import json
+import math
 import statistics
 
 from transformers import AutoTokenizer
@@ -26,8 +27,8 @@ from rhymerl.history import HistoryStore
 from rhymerl.model.fetch import resolve_model_dir
 
 ap = argparse.ArgumentParser()
-ap.add_argument("per_worker")
-ap.add_argument("cost")
+ap.add_argument("per_worker", nargs="+")
+ap.add_argument("--cost", required=True)
 ap.add_argument("--rates-out")
 ap.add_argument("--old-rates")
 args = ap.parse_args()
@@ -43,8 +44,10 @@ def spearman(a, b):
     return statistics.correlation(ranks(a), ranks(b))
 
 
-lines = [json.loads(x) for x in open(args.per_worker)]
-head, calls = lines[0], [d for d in lines[1:] if "workers" in d]
+files = [[json.loads(x) for x in open(f)] for f in args.per_worker]
+head = files[0][0]  # epoch 1's responses: the same tokens in every run (keyed draws)
+assert all(f[0]["epoch1_responses"] == head["epoch1_responses"] for f in files)
+calls = [dict(d, file=i) for i, f in enumerate(files) for d in f if "workers" in d]
 cost = CostModel.from_dict(json.load(open(args.cost)))
 slots, n, cap = head["slots"], RECORDED.num_generations, RECORDED.max_tokens
 prompts = task_prompts(AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m")), RECORDED.task,
@@ -52,7 +55,10 @@ prompts = task_prompts(AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-
 history = HistoryStore()
 for p, rs in zip(prompts, head["epoch1_responses"]):
     history.record_rollout(p, rs)
-fwd_rates = ReplayedRates(32).rates(history, prompts, cost, slots)
+try:  # the replay before 2026-11-28 had no unit: tokens per forward
+    fwd_rates = ReplayedRates(32, unit="forwards").rates(history, prompts, cost, slots)
+except TypeError:
+    fwd_rates = ReplayedRates(32).rates(history, prompts, cost, slots)
 if args.rates_out:
     json.dump(fwd_rates, open(args.rates_out, "w"))
     print("forward rates:", [round(r, 2) for r in fwd_rates])
@@ -93,7 +99,7 @@ print("spearman new replay t/step vs epoch 2 t/step: %.3f" % spearman(step_rates
 for name, r in (("old", old_rates), ("new", fwd_rates)):
     if r:
         print(f"mean |log(replayed / epoch 2)| t/fwd, {name}: "
-              f"{statistics.mean(abs(__import__('math').log(a / b)) for a, b in zip(r, mf)):.3f}")
+              f"{statistics.mean(abs(math.log(a / b)) for a, b in zip(r, mf)):.3f}")
 
 # The plans: each pricing's as `RayPool.split` makes it; per worker, predicted forwards and steps vs epoch 2's
 predictor = LengthPredictor.from_history(history, prompts, cap=cap)
@@ -115,7 +121,24 @@ plans = {"static": [[(g, list(range(n))) for g in range(6)], [(g, list(range(n))
          "histopipe, new replay, forwards": plan(fwd_rates), "histopipe, new replay, steps": plan(step_rates)}
 if old_rates:
     plans["histopipe, old replay (the run's)"] = plan(old_rates)
-ran = {d["schedule"]: d for d in calls}
+
+
+def model_s(wk):  # a worker's steps priced by the cost model at their mean rows and tokens (timing-free)
+    f = max(wk["forwards"], 1)
+    return f * cost(wk["tokens_forwarded"] / f, wk["seq_steps"] / f)
+
+
+print("\nper call and worker: forwards, busy s, cost-model s (forwards at their mean width), drafted")
+for d in calls:
+    print(f"  run {d['file']} {d['schedule']}: makespan {d['makespan_s']} s; " + "; ".join(
+        f"w{w['worker']} {w['forwards']} fwd, {w['busy_s']} s busy, {model_s(w):.1f} model s, {w['drafted']} drafted"
+        for w in d["workers"]))
+ratios = [[w1 / w0 for w0, w1 in (x for x in [[model_s(w) for w in d["workers"]], [w["forwards"] for w in d["workers"]],
+                                                [w["busy_s"] for w in d["workers"]]])] for d in calls]
+for name, i in (("cost-model s", 0), ("forwards", 1)):
+    err = statistics.mean(abs(math.log(r[i] / r[2])) for r in ratios)
+    print(f"worker 1 / worker 0 in {name} against in busy s, per call: "
+          + ", ".join(f"{r[i]:.2f}/{r[2]:.2f}" for r in ratios) + f"; mean |log| {err:.3f}")
 one = [0.0] + [1.0] * slots
 for name, pl in plans.items():
     print(f"\n{name}: {text(pl)}")
@@ -129,9 +152,8 @@ for name, pl in plans.items():
                                            for g, i in reqs], slots, one) for d in calls)
         line = (f"  worker {w}: predicted {pf:.0f} forwards, {pu:.0f} steps (new replay) | epoch 2 per request "
                 f"through the model, mean of calls: {mfw:.0f} forwards, {muw:.0f} steps")
-        run = next((d for s, d in ran.items() if d["plan"] == [[list(x) for x in pc] for pc in
-                                                               [[[g, idx] for g, idx in sh] for sh in pl]]), None)
-        if run:
-            wk = run["workers"][w]
-            line += f" | ran ({run['schedule']}): {wk['forwards']} forwards, {wk['busy_s']} busy s"
+        for run in calls:
+            if run["plan"] == [[[g, list(idx)] for g, idx in sh] for sh in pl]:
+                wk = run["workers"][w]
+                line += f" | ran (run {run['file']}): {wk['forwards']} fwd, {wk['busy_s']} s, {model_s(wk):.1f} model s"
         print(line)

@@ -1,37 +1,33 @@
-"""What the planner counts a request's work in when HistoSpec decodes it: engine forwards, not tokens
-(docs/design.md, section 4, "HistoPipe, part by part": Pricing).
+"""What the planner counts a request's work in when HistoSpec decodes it: plain full-batch steps, not tokens
+(docs/design.md, section 4, "HistoPipe, part by part": Pricing, with the notebook entries it cites).
 
 Without speculation a sequence commits one token per forward, and a step of n sequences costs `cost(n, n)`:
-the planner's worker model (`batching.worker_time`) on token counts is then exact. With HistoSpec, two things
-change, both measured on the recorded `repeat` workload (the notebook entries cited in docs/design.md, section 4, Pricing):
+the planner's worker model (`batching.worker_time`) on token counts is then exact. With HistoSpec:
 
-- a request commits `tokens_per_forward` tokens per forward it takes part in, and that rate is the prompt's:
-  answers that its history or its siblings draft well take far fewer forwards per token (1.1 to 4.0 on that
-  workload). Histopipe's two workers, given 2,228 and 2,084 predicted tokens, ran 109 and 169 forwards;
-- a step costs about the same whatever the number of running sequences: the speculator fills a small
-  batch's forward with draft tokens (it drafts where the measured cost model says room is cheap), so the
-  worker's seconds follow its forwards more than its batch (0.25 to 0.45 s per forward across batches of 5
-  to 11 sequences under one load), where `cost(n, n)` priced a tail of one sequence at a third of a full
-  step. Left out: a forward that feeds more draft tokens costs more (measured, not yet priced: the notebook).
+- a request commits several tokens per forward it takes part in, at its prompt's rate: answers that its
+  history or its siblings draft well take far fewer forwards per token (1.0 to 5.5 on the recorded
+  `repeat` workload);
+- a forward costs what its tokens fed cost: on a CPU a 12-row step verifying 4 drafts a row costs about 2.9x
+  a plain one, so a worker's seconds follow its forwards weighed by their width (per call, the two workers'
+  busy seconds were off by 0.10 in |log| from their cost-model seconds' ratio, by 0.33 from their forwards');
+- a small batch's forward is filled with drafts, so `cost(n, n)` pricing a one-sequence tail at a third of
+  a full step is wrong too.
 
-So a request's price is its predicted forwards, its predicted tokens over its prompt's tokens per forward,
-and a step's price is a full batch's (`speculative_step_cost`). The continuous-batching model run on those
-lengths gives each worker's forwards exactly (tested: it is the same discrete process), so the planner
-balances what the workers' seconds follow. With speculation off every rate is 1 and the cost model is used
-as it is: one model, of which token pricing is the special case the simulator runs.
+So a request's price is its predicted length over its prompt's tokens per step (a forward counted as its
+full-batch `CostModel.step` over a plain one's), and a step's price is a full plain batch's
+(`speculative_step_cost`). With speculation off every rate is 1 and the cost model is used as it is: one
+model, of which token pricing is the special case the simulator runs.
 
-A prompt's tokens per forward as the calls measure it (`TokensPerForward`, from `RequestOutput.forwards`)
-follows the drafting of the worker that ran it, which follows that worker's timing (its cost model, its
-online correction, the pause when drafts stop paying). Four runs on the same tokens (the notebook entry
-docs/design.md, section 4, Pricing cites) gave one prompt 1.07, 2.26, 1.43 and 2.35 tokens per forward; over
-the twelve prompts the run-to-run variance of a prompt's rate (0.32) was as large as the spread of the
-prompts' true rates (0.35), and the plan built on them changed from run to run. So the pool's default
-(`ReplayedRates`) counts a prompt's rate from its recorded tokens alone, which keyed sampling makes the same
-in every run: its responses replayed against a suffix-match drafter (`replay`), at the draft length the
-cost model says pays best; with the same history, cost model and slots the plan is the same whatever the
-timing of the calls that recorded it. `TokensPerForward` (the calls' own rates, shrunk toward the mean by
-the forwards that back them: (tokens + K x mean) / (forwards + K), K = `PRIOR_FORWARDS`, the noise per
-forward over the spread of true rates measured there) stays as the pool's `pricing="measured"`.
+A prompt's rate as the calls measure it (`TokensPerForward`, from `RequestOutput.forwards`) follows the
+drafting of the worker that ran it, which follows that worker's timing (its online correction, the pause
+when drafts stop paying): four runs on the same tokens gave one prompt 1.07, 2.26, 1.43 and 2.35 tokens per
+forward, and the plan built on them changed from run to run. So the pool's default (`ReplayedRates`) counts
+a prompt's rate from its recorded tokens alone, which keyed sampling makes the same in every run: its
+responses decoded again by HistoSpec's drafter, budget and calibration (`replay.Replay`); with the same
+history, cost model and slots the plan is the same whatever the timing of the calls that recorded it.
+`TokensPerForward` (the calls' own rates, shrunk toward the mean by the forwards that back them: (tokens +
+K x mean) / (forwards + K), K = `PRIOR_FORWARDS`, the noise per forward over the spread of true rates)
+stays as the pool's `pricing="measured"`, in forwards.
 """
 
 from __future__ import annotations
