@@ -96,14 +96,14 @@ def main() -> None:
         step_cost, flat = decode_costs(cost, slots), [0.0] + [1.0] * slots
         predictor = LengthPredictor.from_history(pool.history, prompts, cap=w.max_tokens)
         rates = copy.deepcopy(pool.rates)  # epoch 1's tokens per forward (pricing="measured", the rule before)
-        replayed = pool.replayed.rates(pool.history, prompts, cost, slots)  # pricing="forwards": from the tokens
+        replayed = pool.replayed.rates(pool.history, prompts, cost, slots)  # pricing="replayed": from the tokens
         per_fwd = ReplayedRates(MAX_DRAFT_TOKENS, unit="forwards").rates(pool.history, prompts, cost, slots)
         print(json.dumps({"replayed_rates": [round(x, 3) for x in replayed], "unit": pool.replayed.unit,
                           "replayed_tokens_per_forward": [round(x, 3) for x in per_fwd]}), flush=True)
         for r in range(args.rounds):
             for schedule in args.schedules.split(","):
                 pool.schedule, pool.migration = schedule.removesuffix("_tokens"), False  # histopipe_tokens: the old pricing
-                pool.pricing, pool.rates = ("tokens" if schedule.endswith("_tokens") else "forwards"), copy.deepcopy(rates)
+                pool.pricing, pool.rates = ("tokens" if schedule.endswith("_tokens") else "replayed"), copy.deepcopy(rates)
                 gs = groups("e2")
                 plan = pool.split(gs, 2, w.max_tokens)
                 t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 
 `bench pipe`'s real set-up (the recorded `repeat` task, 12 prompts x 8, 2 Ray workers, fp32, every worker's
 HistoSpec on the `--cost-from` model): epoch 1 is rolled out and recorded, then the plan of epoch 2's groups
-is made, without running it, under `pricing="forwards"` (the rates replayed from the recorded tokens under
+is made, without running it, under `pricing="replayed"` (the rates replayed from the recorded tokens under
 HistoSpec's drafting, `ReplayedRates`, in its default unit: plain full-batch steps) and
 `pricing="measured"` (epoch 1's own tokens per forward, the rule before). Prints one JSON object: epoch 1's
 tokens per forward per prompt and drafted tokens per worker (the timing-driven counts), both rate vectors,
@@ -60,7 +60,7 @@ def main() -> None:
                "replayed_tokens_per_forward": [round(r, 3) for r in ReplayedRates(MAX_DRAFT_TOKENS, unit="forwards").rates(
                    pool.history, prompts, cost, w.slots)]}
         out["epoch1_responses"] = [pool.history.responses(p) for p in prompts]  # to replay offline
-        for pricing in ("forwards", "measured"):
+        for pricing in ("replayed", "measured"):
             pool.pricing = pricing
             plan = pool.split(groups, 2, w.max_tokens)
             out[f"plan_{pricing}"] = plan_text([[[g, list(idx)] for g, idx in share] for share in plan], n)

@@ -133,7 +133,7 @@ def test_the_plan_is_the_same_whatever_the_timing_of_the_calls_that_recorded_the
     answers repeat each other, so it is priced at more than a token a forward; prompt 3's match nothing."""
     prompts = random_prompts(6, seed=35)
     pool.history = HistoryStore()
-    pool.schedule, pool.tier2, pool.migration, pool.pricing = "histopipe", True, False, "forwards"
+    pool.schedule, pool.tier2, pool.migration, pool.pricing = "histopipe", True, False, "replayed"
     answers = [[list(range(20, 56))] * 4,  # the same answer four times: drafts from its siblings
                [[6] * 30] * 4, [[7] * 26] * 4,
                [list(range(60 + 34 * k, 94 + 34 * k)) for k in range(4)],  # unseen tokens: nothing drafts

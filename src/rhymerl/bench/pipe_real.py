@@ -278,7 +278,7 @@ def run_ray(model: str, prompts: Sequence[Sequence[int]] | None = None, *, num_w
         for r in range(repeats):
             for name, schedule, rule in variants[r % len(variants):] + variants[:r % len(variants)]:
                 pool.schedule, pool.migration, pool.migration_rule = schedule, rule is not None, rule or "half_busiest"
-                pool.pricing = "tokens" if name == "histopipe_tokens" else "forwards"  # forwards: from the history
+                pool.pricing = "tokens" if name == "histopipe_tokens" else "replayed"  # replayed: from the history
                 plan = pool.split(groups("e2"), num_workers, max_tokens)  # as the call plans it (deterministic)
                 t0 = time.perf_counter()
                 result = pool.rollout(groups("e2"), params)

@@ -25,7 +25,7 @@ Only the Ray backend (this module, `ray_call`, `ray_actor`, `ray_stream`) import
 - **Split** (`rollout.schedule`): `histopipe.plan.plan`, the planner the simulator runs too:
   `static` (equal contiguous shares), `least_loaded` (request counts balanced) or `histopipe` (each request's
   predicted length from the pool's history, `LengthPredictor.predict_group`, costed with the cost model the
-  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). Under HistoSpec (`pricing="forwards"`,
+  pool was given or the workers measured, else `DEFAULT_PLAN_COST`). Under HistoSpec (`pricing="replayed"`,
   the default) a request is priced in predicted forwards, its predicted tokens over its prompt's tokens per
   forward replayed from its recorded tokens (`ReplayedRates`: no timing in it, so the same history and cost
   model give the same plan), and a step at a full batch's cost (`histopipe.pricing`); "measured" takes the
@@ -122,7 +122,7 @@ class RayPool:
             raise ValueError(f"migration_rule must be one of {HANDOVER_RULES}, got {migration_rule!r}")
         self.schedule, self.migration, self.migration_rule, self.tier2 = schedule, migration, migration_rule, tier2
         self.migrations = 0  # requests moved between workers so far (each counted once)
-        self.pricing = "forwards"  # histopipe's unit of work under HistoSpec: "forwards", "measured" or "tokens"
+        self.pricing = "replayed"  # histopipe's unit of work under HistoSpec: "replayed", "measured" or "tokens"
         self.rates = TokensPerForward()  # each prompt's tokens per forward in the calls so far (`rollout`)
         self.replayed = ReplayedRates(config.rollout.max_draft_tokens)  # ... from its recorded tokens (split)
         self.history = history
@@ -227,7 +227,7 @@ class RayPool:
         slots, cost = self.config.rollout.num_slots, self._plan_cost()
         if self.pricing != "tokens" and self.config.rollout.speculative != "off":  # histopipe.pricing
             prompts = [g.prompt_ids for g in groups]
-            rates = (self.replayed.rates(self.history, prompts, cost, slots) if self.pricing == "forwards"
+            rates = (self.replayed.rates(self.history, prompts, cost, slots) if self.pricing == "replayed"
                      else [self.rates.rate(p) for p in prompts])
             predicted = [[n / r for n in p] for p, r in zip(predicted, rates)]
             cost = speculative_step_cost(cost, slots, True)
