@@ -14,7 +14,8 @@ import sys
 
 # The commands moved to rhymerl.commands; their names stay importable from here.
 from rhymerl.commands.bench import (cmd_bench_e2e, cmd_bench_engine, cmd_bench_matmul,  # noqa: F401
-                                    cmd_bench_pipe, cmd_bench_spec, cmd_bench_workers)
+                                    cmd_bench_spec, cmd_bench_workers)
+from rhymerl.commands.bench_pipe import cmd_bench_pipe  # noqa: F401
 from rhymerl.commands.generate import cmd_generate, encode  # noqa: F401
 from rhymerl.commands.options import DEVICE_HELP, MODEL_HELP, check_device, positive_int, setup  # noqa: F401
 from rhymerl.commands.parser import build_parser

@@ -249,3 +249,20 @@ def test_a_trace_cap_is_its_longest_length_when_many_share_it():
     rows = [{"step": 0, "groups": [{"prompt": "a", "lengths": [128, 128, 50]}, {"prompt": "b", "lengths": [7]}]}]
     assert pipe_sim.trace_cap(rows) == 128
     assert pipe_sim.trace_cap([{"step": 0, "groups": [{"prompt": "a", "lengths": list(range(1, 41))}]}]) is None
+
+
+def test_migrations_option_runs_the_simulated_only_push_and_checks_names(cost_file, tmp_path, capsys):
+    """`--migrations` picks the simulated step's rules, the simulated-only `half_busiest+push` among them (a
+    row of its own beside half_busiest's); an unknown rule is one error line naming the option."""
+    rc = main(["bench", "pipe", *RHYMING_SMALL, "--cost-from", str(cost_file), "--workers", "4", "--run-steps", "0",
+               "--migrations", "half_busiest,half_busiest+push", "--out", str(tmp_path / "o")])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = summary["sim"]["4"]
+    assert summary["sim_info"]["migrations"] == ["half_busiest", "half_busiest+push"]
+    assert {"histopipe+half_busiest", "histopipe+half_busiest+push", "static+half_busiest"} <= set(row)
+    assert "histopipe+tail" not in row and "moved" in row["histopipe+half_busiest+push"]
+    assert row["histopipe+half_busiest+push"]["makespan_over_lb"] >= 1 - 1e-9
+    rc = main(["bench", "pipe", *RHYMING_SMALL, "--cost-from", str(cost_file), "--migrations", "push"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--migrations push" in err and "Traceback" not in err

@@ -35,9 +35,11 @@ from rhymerl.bench.progress import Progress
 from rhymerl.cost_model import CostModel
 from rhymerl.errors import UserError
 from rhymerl.histopipe.batching import ContextCost
+from rhymerl.histopipe.fleet import MIGRATIONS
 from rhymerl.histopipe.plan import POLICIES
 from rhymerl.histopipe.workload import Rhyming
 from rhymerl.histopipe.predict import summarise  # noqa: F401 (re-exported, as before the split)
+from rhymerl.histopipe.push import PUSH_MIGRATIONS
 from rhymerl.histopipe.simulate import MODES
 from rhymerl.histopipe.trace import read_trace  # noqa: F401 (re-exported, as before the split)
 
@@ -113,7 +115,8 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         real_slots: int | None = None, max_tokens: int | None = None, temperature: float | None = None,
         seed: int = 0, ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
         out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
-        tier2: bool = True, real_data: str | None = None, defer_tail: bool = True, max_staleness: int = 1) -> dict:
+        tier2: bool = True, real_data: str | None = None, defer_tail: bool = True, max_staleness: int = 1,
+        migrations: Sequence[str] = MIGRATIONS) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
     "one_worker", one worker's FIFO vs longest-first (`run_real`), both on `real_workload(trace, real_data,
@@ -121,7 +124,13 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     when None), named in the summary's "out". `trace == "rhyming"` (or `rhyming` given): the calibrated
     workload of `rhyming` (default `Rhyming()`), not a file. `context`: `--context-cost`. The cost model
     (`cost_from`: "measure" or a file) prices the simulation and is the real workers' HistoSpec cost model and
-    their plan's."""
+    their plan's. `migrations`: the simulated step's rules on histopipe's plan (`fleet.MIGRATIONS` and the
+    simulated-only `push.PUSH_MIGRATIONS`; `--migrations`)."""
+    if not modes or any(m not in MODES for m in modes):
+        raise UserError(f"--modes {','.join(modes)}: choose a comma-separated list of {', '.join(MODES)}")
+    unknown = [m for m in migrations if m not in MIGRATIONS + PUSH_MIGRATIONS]
+    if unknown:
+        raise UserError(f"--migrations {','.join(unknown)}: choose from {', '.join(MIGRATIONS + PUSH_MIGRATIONS)}")
     if str(trace) == RHYMING or rhyming is not None:
         trace, rhyming = RHYMING, rhyming or Rhyming()
     else:
@@ -148,11 +157,12 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         raise UserError(f"--out {out}: is an existing file; the bench writes its Gantt charts into a directory")
     sim = simulate_trace(trace, priced, workers, slots, seed=seed, modes=modes, run_steps=run_steps,
                          train_s=train_s, gantt_dir=out, rhyming=rhyming, tier2=tier2, defer_tail=defer_tail,
-                         max_staleness=max_staleness)
+                         max_staleness=max_staleness, migrations=migrations)
     # "mode": the single step's (sync); the runs' modes are under "modes"
     summary = {"sim": sim.pop("workers"),
                "sim_info": {**sim, "slots": slots, "mode": "sync", "modes": list(modes), "run_steps": run_steps,
-                            "train_s": train_s, "defer_tail": defer_tail, "max_staleness": max_staleness},
+                            "train_s": train_s, "defer_tail": defer_tail, "max_staleness": max_staleness,
+                            "migrations": list(migrations)},
                "trace": str(trace), "cost_from": str(cost_from),
                "cost_model": cost_model.as_dict() | {"per_key_s": per_key, "prefill_per_pair_s": per_pair},
                "context_cost": context_info,

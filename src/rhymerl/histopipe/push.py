@@ -23,6 +23,9 @@ from typing import TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
+# The rules with a push, which only the simulator runs: `bench pipe --migrations` offers them beside
+# `fleet.MIGRATIONS` (not by default: at 1,024 workers a push row takes ~8x half_busiest's simulation time).
+PUSH_MIGRATIONS = ("half_busiest+push",)
 GAP = 1.1  # push only while the donor's predicted end is past GAP x the earliest predicted end
 PER_LOOK = 4  # requests a worker may give at one of its events
 KEEP = 1  # renewed members of a group a worker keeps (running ones counted); the rest are given first
