@@ -3,6 +3,7 @@ one wait per step) against the host walk of `histospec.verify` with the engine's
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,8 +32,9 @@ def random_draft(rng: random.Random) -> Draft:
 def test_draw_keys_are_draw_key_bit_for_bit():
     rng = random.Random(1)
     seeds, reqs, positions = ([rng.randrange(1 << 63) for _ in range(50)] for _ in range(3))
-    prefixes = torch.tensor([draw_prefix(s, r) for s, r in zip(seeds, reqs)])
-    keys = draw_keys(prefixes, torch.tensor([p % 4096 for p in positions]))
+    prefixes = np.array([draw_prefix(s, r) for s, r in zip(seeds, reqs)])
+    keys = draw_keys(prefixes, np.array([p % 4096 for p in positions]))
+    assert keys.dtype == np.int64
     assert keys.tolist() == [draw_key(s, r, p % 4096) for s, r, p in zip(seeds, reqs, positions)]
 
 
@@ -92,8 +94,9 @@ def test_the_keyed_draws_and_the_walk_are_device_work_alone(params):
         logits = torch.randn(64, VOCAB, generator=gen) * 3
         prefixes = torch.randint(-(1 << 62), 1 << 62, (64,), generator=gen)
         positions = torch.randint(0, 100, (64,), generator=gen)
+        keys = torch.from_numpy(draw_keys(prefixes.numpy(), positions.numpy()))  # on the host, with the inputs
         with OpTrace() as trace:
-            drawn, _ = sample_tensors(logits, params, draw_keys(prefixes, positions))
+            drawn, _ = sample_tensors(logits, params, keys)
             reached = walk(drawn, parent, token, 12)
         traces.append([(op, shapes) for op, shapes, _ in trace.ops])
         depth = max([max(d.depths(), default=0) for d in drafts])

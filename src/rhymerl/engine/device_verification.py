@@ -10,8 +10,9 @@ accepted ones, and the one drawn at its last node is the bonus token. Where a dr
 path is not a chain, and `verify_on_device` says so (None) instead of guessing.
 
 On the CUDA backend's fixed-shape steps (graphs, or "static" mode) the draws and the walk run inside the step
-itself (`static_step.StaticStep.draw`, from what `StepDraws` tells it) and the host reads one small tensor
-back (`read_drawn`); `verify_on_device` is the way of a step that cannot (several SamplingParams, a part
+itself (`static_step.StaticStep.draw`, from what `StepDraws` tells it; its walk `walk_trees`, four ops over
+the ancestor matrices the step's attention mask holds) and the host reads one small tensor back
+(`read_drawn`); `verify_on_device` is the way of a step that cannot (several SamplingParams, a part
 that runs eagerly).
 """
 
@@ -68,6 +69,17 @@ def walk(drawn: torch.Tensor, parent: torch.Tensor, token: torch.Tensor, levels:
     return ok
 
 
+def walk_trees(drawn: torch.Tensor, parent: torch.Tensor, token: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """`walk` for rows laid out as B trees of T rows each, in four ops whatever the depth (a fixed-shape step's:
+    `StaticStep.draw`). drawn [R + 1]: each row's drawn token, then -1; parent [R]: its parent's row, R for a
+    root (so a root "matches": its parent drew -1, its own token); token [R]: its draft token, -1 for a root;
+    ancestors [B, T, T] bool: row (b, i) has row (b, j) on its path from the root, itself included (the
+    attention mask's ancestor matrices). A row is reached when every row on its path matches."""
+    ok = drawn.gather(0, parent) == token  # [R]: the parent's draw is this row's token
+    b, t, _ = ancestors.shape
+    return (ancestors <= ok.view(b, 1, t)).all(-1).view(-1)  # an ancestor implies a match
+
+
 def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int], prefixes: list[int],
                      offsets: list[int], params: SamplingParams) -> tuple[list[Verified] | None, float]:
     """Every sequence's draft verified at once. `logits` [N, V]: sequence i's last committed token at row
@@ -91,13 +103,13 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
             token_l += d.tokens
     depth, parent, token = np.array(depth_l), np.array(parent_l), np.array(token_l)
     meta = np.stack([np.repeat(starts, counts) + np.arange(counts.sum()) - np.repeat(first, counts),  # logits row
-                     np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth, parent, token])
+                     draw_keys(np.asarray(prefixes, dtype=np.int64)[seq], np.asarray(offsets)[seq] + depth),
+                     parent, token])
     # every row in order (a plain step's): no copy of the rows
     every = meta.shape[1] == len(logits) and bool((meta[0] == np.arange(len(logits))).all())
-    meta = torch.from_numpy(meta).to(logits.device)  # [5, R], one copy to the device
-    rows, prefix, position, parent_t, token_t = meta
-    drawn, logprobs = sample_tensors(logits if every else logits.index_select(0, rows), params,
-                                     draw_keys(prefix, position))
+    meta = torch.from_numpy(meta).to(logits.device)  # [4, R], one copy to the device
+    rows, keys, parent_t, token_t = meta
+    drawn, logprobs = sample_tensors(logits if every else logits.index_select(0, rows), params, keys)
     levels = int(depth.max())  # 0: no drafts, every row a root, which the walk reaches
     reached = walk(drawn, parent_t, token_t, levels) if levels else torch.ones_like(drawn, dtype=torch.bool)
     t0 = time.perf_counter()

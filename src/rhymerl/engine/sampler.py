@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from rhymerl.engine.sampling_params import SamplingParams, draw_key
@@ -35,54 +36,78 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic and copies the sign bit)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    """Logical right shift of int64 (torch's >> is arithmetic and copies the sign bit; no device shifts
+    uint64): two ops, the second in place."""
+    return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (wrapping like uint64)."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
+    """splitmix64's finaliser on int64 (wrapping like uint64): 11 ops, in place after the first."""
+    x = x ^ _shr(x, 30)
+    x *= _MIX1
+    x ^= _shr(x, 27)
+    x *= _MIX2
+    x ^= _shr(x, 31)
+    return x
 
 
-def draw_keys(prefixes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`sampling_params.draw_key` on tensors: prefixes [R] (`draw_prefix` as signed int64), positions [R]
-    -> [R] keys, bit for bit (tests/engine/test_engine.py), so a device can key its own draws."""
-    return _mix((prefixes ^ positions) + _GOLDEN)
+def draw_keys(prefixes: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`sampling_params.draw_key` on arrays, on the host: prefixes [R] (`draw_prefix`, signed int64),
+    positions [R] -> [R] keys as int64, bit for bit (tests/histospec/test_verify.py). A step's keys are made
+    here and copied with its other inputs (a dozen numpy ops on R values, where the device would launch 13
+    kernels a step: docs/design.md, section 6.1)."""
+    with np.errstate(over="ignore"):
+        z = (np.asarray(prefixes, dtype=np.int64) ^ np.asarray(positions, dtype=np.int64)).view(np.uint64)
+        z = z + np.uint64(_GOLDEN + (1 << 64))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1 + (1 << 64))
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2 + (1 << 64))
+        return (z ^ (z >> np.uint64(31))).view(np.int64)
 
 
 def keyed_uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """keys [R] int64 (draw keys), columns [R, C] or [C] int64 -> [R, C] fp64 uniforms in (0, 1): splitmix64
     of (key + (column + 1) * golden), with int64 arithmetic wrapping like uint64 (tests/test_engine.py
     checks it bit for bit against plain-Python uint64 arithmetic)."""
-    return _uniforms(keys[:, None] + (columns + 1) * _GOLDEN)
+    x = keys[:, None] + (columns + 1) * _GOLDEN
+    return _uniforms(x, torch.tensor(_HALF_ULP, dtype=torch.float64, device=x.device))
 
 
-def _uniforms(x: torch.Tensor) -> torch.Tensor:
-    """`keyed_uniforms` from key + (column + 1) * golden, computed by the caller."""
-    return (_shr(_mix(x), 11).double() + 0.5) * (1.0 / (1 << 53))
+_HALF_ULP = 0.5 / (1 << 53)
 
 
-def _negated_gumbel(x: torch.Tensor) -> torch.Tensor:
-    """log(-log(u)) = -Gumbel for the uniforms `_uniforms(x)`: a score adds the noise by subtracting this
-    (b - a is b + (-a) in floating point: the same bits, one kernel fewer)."""
-    return torch.log(-torch.log(_uniforms(x)))
+def _uniforms(x: torch.Tensor, half_ulp: torch.Tensor) -> torch.Tensor:
+    """`keyed_uniforms` from key + (column + 1) * golden, computed by the caller; `half_ulp`: 2^-54 as a 0-dim
+    fp64 tensor. (v + 0.5) * 2^-53 for the top 53 bits v of the hash z, in two ops: z with its low 11 bits
+    cleared, read as uint64 (a view; unlike its shifts, widening uint64 is a copy kernel's and a CUDA kernel's
+    cast), is v * 2^11, widened exactly; half_ulp + 2^-64 * that in fp64 rounds once, as (v + 0.5) * 2^-53
+    does (scaling by a power of two commutes with rounding): the same bits, where the shift took three ops."""
+    return torch.add(half_ulp, _mix(x).bitwise_and_(-(1 << 11)).view(torch.uint64), alpha=1.0 / (1 << 64))
+
+
+def _scores(log_w: torch.Tensor, x: torch.Tensor, half_ulp: torch.Tensor) -> torch.Tensor:
+    """log_w + Gumbel noise of the hash inputs x, as log_w - log(-log(u)) (b - a is b + (-a) in floating
+    point: the same bits, one kernel fewer than adding the negated noise)."""
+    return log_w - _uniforms(x, half_ulp).log_().neg_().log_()
 
 
 _BLOCK_GOLDEN = (BLOCK * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # BLOCK * golden, wrapped to int64
 
 
 @functools.lru_cache(maxsize=32)
-def _column_terms(blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draw-independent parts of the noise's hash inputs, made once per vocabulary and device: block j's
-    (j + 1) * golden [blocks], the offsets 0..BLOCK-1 inside a block, and offset i's token-stream term
-    (i + _TOKEN_SALT + 1) * golden [BLOCK]. Column b * BLOCK + i of the token stream then hashes
-    key + b * BLOCK * golden + that term: (column + _TOKEN_SALT + 1) * golden, as int64 arithmetic wraps."""
+def _column_terms(blocks: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """The draw-independent parts of the noise, made once per vocabulary and device: the hash terms [blocks +
+    BLOCK] (block j's (j + 1) * golden, then offset i's token-stream term (i + _TOKEN_SALT + 1) * golden:
+    column b * BLOCK + i of the token stream hashes key + b * BLOCK * golden + that term, as int64 arithmetic
+    wraps), 2^-54 (`_uniforms`), and where the last block is short ([blocks, BLOCK] each) every block's
+    columns clamped to the vocabulary and which of them lie past its end."""
     with torch.inference_mode(False), torch.no_grad():
         offsets = torch.arange(BLOCK, device=device)
-        return ((torch.arange(blocks, device=device) + 1) * _GOLDEN, offsets,
-                (offsets + _TOKEN_SALT + 1) * _GOLDEN)
+        terms = torch.cat(((torch.arange(blocks, device=device) + 1) * _GOLDEN, (offsets + _TOKEN_SALT + 1) * _GOLDEN))
+        half_ulp = torch.tensor(_HALF_ULP, dtype=torch.float64, device=device)
+        if vocab == blocks * BLOCK:
+            return terms, half_ulp, None
+        cols = torch.arange(blocks * BLOCK, device=device).view(blocks, BLOCK)
+        return terms, half_ulp, (cols.clamp(max=vocab - 1), cols >= vocab)
 
 
 def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -107,21 +132,28 @@ def _block_mass(probs: torch.Tensor) -> torch.Tensor:
     return torch.cat((mass, probs[:, full:].sum(-1, keepdim=True)), dim=1) if full < v else mass
 
 
-def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Tensor | None = None) -> torch.Tensor:
+def sample_columns(probs: torch.Tensor, keys: torch.Tensor, block_mass: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """probs [R, V] (unnormalised, >= 0, a positive entry per row), keys [R] int64 -> [R, 1] sampled
     columns, by the two-level keyed Gumbel-max of the module docstring. A zero column is never chosen.
-    `block_mass` [R, nb]: `_block_mass(probs)`, when the caller has it already."""
-    v = probs.shape[1]
+    `block_mass` [R, nb]: `_block_mass(probs)`, when the caller has it already; `out` [R] int64: where to
+    write the columns (a step's buffer). Both levels' hash inputs come from one add (key + terms); the
+    chosen block's columns are one gather where the vocabulary is whole blocks."""
+    r, v = probs.shape
     if block_mass is None:
         block_mass = _block_mass(probs)
-    block_terms, offsets, token_terms = _column_terms(block_mass.shape[1], probs.device)
-    b = (block_mass.double().log() - _negated_gumbel(keys[:, None] + block_terms)).argmax(-1)  # [R]
-    cols = b[:, None] * BLOCK + offsets  # [R, 256] vocabulary ids
-    # the chosen block's columns; past the vocabulary's end (a short last block) probability 0
-    inner = probs.gather(1, cols.clamp(max=v - 1)).double().masked_fill_(cols >= v, 0.0)  # [R, 256]
-    token_x = (keys + b * _BLOCK_GOLDEN)[:, None] + token_terms  # key + (column + _TOKEN_SALT + 1) * golden
-    c = (inner.log() - _negated_gumbel(token_x)).argmax(-1)  # log 0 = -inf: never chosen
-    return (b * BLOCK + c)[:, None]
+    nb = block_mass.shape[1]
+    terms, half_ulp, short_end = _column_terms(nb, v, probs.device)
+    x = keys[:, None] + terms  # [R, nb + BLOCK]: the blocks' hash inputs, then the token stream's less its block
+    b = _scores(block_mass.double().log(), x[:, :nb], half_ulp).argmax(-1)  # [R]
+    if short_end is None:  # the chosen block's columns
+        inner = probs.view(r, nb, BLOCK).gather(1, b[:, None, None].expand(r, 1, BLOCK))[:, 0].double()
+    else:  # past the vocabulary's end (a short last block) probability 0
+        cols, past = short_end
+        inner = probs.gather(1, cols.index_select(0, b)).double().masked_fill_(past.index_select(0, b), 0.0)
+    token_x = torch.add(x[:, nb:], b[:, None], alpha=_BLOCK_GOLDEN)  # key + (column + _TOKEN_SALT + 1) * golden
+    c = _scores(inner.log_(), token_x, half_ulp).argmax(-1)  # log 0 = -inf: never chosen
+    return torch.add(c, b, alpha=BLOCK, out=out)[:, None]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, keys: list[int], kernels=None,
@@ -163,27 +195,31 @@ def sample_rows(logits: torch.Tensor, seqs: list, rows: list[int], offsets: list
 
 
 def sample_tensors(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor,
-                   inv_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample` on the device, without reading anything back: logits [R, V], keys [R] int64 (on the logits'
-    device) -> (tokens [R] int64, log-probs [R] fp32). `inv_t`: 1 / temperature as an fp32 tensor [1, 1] on
-    the logits' device, read instead of `params.temperature` (a CUDA graph's buffer: one graph serves every
-    temperature; `static_step.StaticStep.draw`). Either way the same arithmetic, so the same bits."""
-    logits = logits.float()
+                   inv_t: torch.Tensor | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` on the device, without reading anything back: logits [R, V] (fp32 or bf16), keys [R] int64 (on
+    the logits' device) -> (tokens [R] int64, log-probs [R] fp32). `inv_t`: (1 / temperature, -1 / temperature)
+    as an fp32 tensor [2] on the logits' device, read instead of `params.temperature` (a CUDA graph's buffer:
+    one graph serves every temperature; `static_step.StaticStep.draw`). Either way the same arithmetic, so the
+    same bits. `out` [R] int64: where to write the tokens."""
     if params.greedy:
-        tokens = logits.argmax(-1, keepdim=True)
-        return tokens[:, 0], torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0]
+        logits = logits.float()
+        tokens = torch.argmax(logits, -1, out=out)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     if inv_t is None:  # a fill, not a copy from the host (which would wait for the queued forward)
-        inv_t = torch.full((1, 1), 1.0 / params.temperature, dtype=torch.float32, device=logits.device)
+        inv_t = torch.full((2,), 1.0 / params.temperature, dtype=torch.float32, device=logits.device)
+        inv_t[1:].neg_()
+    scale, neg_scale = inv_t[:1], inv_t[1:]
     # Softmax by hand, because the sampler needs only unnormalised probabilities, their block sums and the
     # log-probs of the sampled tokens: four passes over [R, V] (max; shift and scale; exp; block sums,
-    # whose sum is the normaliser) where log_softmax + exp + sums take seven.
-    neg_top = logits.amax(-1, keepdim=True).mul_(inv_t).neg_()  # [R, 1]: -max(z) for z = logits / T
+    # whose sum is the normaliser) where log_softmax + exp + sums take seven. bf16 logits are widened inside
+    # the ops that read them (exactly: the same bits as a copy in fp32 first, one pass fewer).
+    neg_top = torch.mul(logits.amax(-1, keepdim=True), neg_scale)  # [R, 1]: -max(z) for z = logits / T, fp32
     # logits / T - max(z) in one pass (0 at the maximum). The floor keeps exp() out of denormals (10x slower
     # at low temperature, where log-probs reach -300); it adds at most 49152 * e^-80 < 1e-30 of relative mass.
-    probs = torch.addcmul(neg_top, logits, inv_t).clamp_(min=-80.0).exp_()  # [R, V], max 1
+    probs = torch.addcmul(neg_top, logits, scale).clamp_(min=-80.0).exp_()  # [R, V], max 1
     mass = _block_mass(probs)  # [R, nb]
-    log_norm = mass.sum(-1, keepdim=True).log()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
+    log_norm = mass.sum(-1, keepdim=True).log_()  # [R, 1]: log_softmax(z) = z - max(z) - log_norm
     kept = filtered_probs(probs, params)
-    tokens = sample_columns(kept, keys, mass if kept is probs else None)  # [R, 1]
-    shifted = torch.addcmul(neg_top, logits.gather(-1, tokens), inv_t)  # the same arithmetic as above
+    tokens = sample_columns(kept, keys, mass if kept is probs else None, out)  # [R, 1]
+    shifted = torch.addcmul(neg_top, logits.gather(-1, tokens), scale)  # the same arithmetic as above
     return tokens[:, 0], (shifted - log_norm)[:, 0]

@@ -22,9 +22,10 @@ queries see at least one key (no 0/0 softmax), and their logits are never return
 what the eager backend's `CachedAttention` gives them: the slot's committed prefix and their own ancestors.
 
 With `StepDraws` (`load(..., draws)`) a step also draws every logits row and walks the drafts (`draw`): the
-sampler's keyed draws (`sampler.draw_keys`, `sample_tensors`, temperature from a buffer) and the acceptance
-walk (`device_verification.walk`, T - 1 rounds: a tree's deepest node), so that one graph replays forward,
-draws and walk, and the host reads one [3, rows] tensor back. Padding rows draw too, as roots; never read.
+sampler's keyed draws (`sample_tensors`, keys made on the host by `sampler.draw_keys`, temperature from a
+buffer) and the acceptance walk (`device_verification.walk_trees`, over the ancestor matrices the mask reads
+already), so that one graph replays forward, draws and walk, and the host reads one [3, rows] tensor back.
+Padding rows draw too, as roots; never read.
 
 Nothing here is specific to CUDA: on a CPU the same step runs eagerly, and the tests compare it with the
 eager backend there (tests/engine/backends/test_static_step.py). The graphs themselves are `cuda.py`'s.
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rhymerl.engine.device_verification import StepDraws, walk
+from rhymerl.engine.device_verification import StepDraws, walk_trees
 from rhymerl.engine.backends.static_forward import forward, layer_modules, rope_table
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.sampler import draw_keys, sample_tensors
@@ -121,18 +122,23 @@ class StaticStep:
         n = b * t
         # One host-to-device copy each per step. ints: tokens, rope positions, write positions and slots [N]
         # (each token's: what the K/V write indexes with); each row's base, slot and last real token's index [B].
-        # Then the draws' (`draw`), per logits row (R: B * T by slot, B gathered): its draw prefix, output
-        # position, parent row (a root, a padding row: itself) and draft token (a root: -1).
+        # Then the draws' (`draw`), per logits row (R: B * T by slot, B gathered): its draw key, parent row (a
+        # root, a padding row: R, the sentinel of `drawn`) and draft token (a root: -1).
         r = self.rows = b if gathered else n
         m = 4 * n + 3 * b
-        self.ints = torch.zeros(m + 4 * r, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(m + 3 * r, dtype=torch.int64, device=device)
         self.tokens, self.positions, self.write_pos, self.token_slots = (self.ints[k * n : (k + 1) * n]
                                                                          for k in range(4))
         self.base, self.slots, self.last = (self.ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
-        self.prefix, self.offset, self.parent, self.draft = (self.ints[m + k * r : m + (k + 1) * r] for k in range(4))
-        self.inv_t = torch.ones((1, 1), dtype=torch.float32, device=device)  # 1 / temperature, set when it changes
+        self.row_keys, self.parent, self.draft = (self.ints[m + k * r : m + (k + 1) * r] for k in range(3))
+        # 1 / temperature and its negation (`sample_tensors`), set when the temperature changes
+        self.inv_t = torch.tensor([1.0, -1.0], dtype=torch.float32, device=device)
         self._inv_t = 1.0
-        self.reached_all = torch.ones(r, dtype=torch.float64, device=device)  # no walk (T = 1, chains): roots
+        # the drawn tokens, then -1: what a root's parent (R) drew, never a draft's token (`walk_trees`)
+        self.drawn = torch.full((r + 1,), -1, dtype=torch.int64, device=device)
+        self.reached_all = torch.ones(r, dtype=torch.bool, device=device)  # no walk (T = 1, chains): roots
+        if model.cfg.vocab_size >= 1 << 24:
+            raise ValueError(f"vocab_size {model.cfg.vocab_size}: a step's draws carry token ids in fp32 (below 2^24)")
         # bools: which tokens are real, then (trees of T > 1 tokens) what each token sees of T + 2 columns:
         # [its row's committed prefix, the row's T tokens (its ancestor matrix row: itself and its ancestors),
         # the positions after them] (`mask`); chains (gathered, or one token a row) need none: token t sees
@@ -141,7 +147,7 @@ class StaticStep:
         trees = 0 if gathered or t == 1 else b * t * (t + 2)
         self.bools = torch.zeros(n + trees, dtype=torch.bool, device=device)
         self.valid, self.sees = self.bools[:n], self.bools[n:].view(b, t, t + 2) if trees else None
-        self._host_ints = np.zeros(m + 4 * r, dtype=np.int64)
+        self._host_ints = np.zeros(m + 3 * r, dtype=np.int64)
         self._host_bools = np.zeros(n + trees, dtype=bool)
         # the mask's constants: key positions (+ 1 for trees: column 0 is the prefix), each folded query row's
         # token, and the additive mask's two values
@@ -159,13 +165,13 @@ class StaticStep:
         ints, bools = self._host_ints, self._host_bools
         tokens, positions, write_pos, token_slots = (ints[k * n : (k + 1) * n].reshape(b, t) for k in range(4))
         base, slots, last = (ints[4 * n + k * b : 4 * n + (k + 1) * b] for k in range(3))
-        prefix, offset, parent, draft = (ints[m + k * r : m + (k + 1) * r] for k in range(4))
+        keys, parent, draft = (ints[m + k * r : m + (k + 1) * r] for k in range(3))
         valid = bools[:n].reshape(b, t)
         sees = bools[n:].reshape(b, t, t + 2) if self.sees is not None else None
         anc = None if sees is None else sees[:, :, 1 : t + 1]  # the ancestor matrices, a view
         ints[:] = 0
         bools[:] = False
-        parent[:] = np.arange(r)
+        parent[:] = r
         draft[:] = -1
         if sees is not None:
             sees[:, :, 0] = True  # the committed prefix (the last column, after the row's tokens, stays False)
@@ -210,6 +216,7 @@ class StaticStep:
         froms = np.array([x.logits_from for x in inputs])
         index = rows if self.gathered else flat[within >= np.repeat(froms, ks)]  # tokens[logits_from:] of each
         if draws is not None:  # row j of an input draws at output position offset + depth_j - depth_{logits_from}
+            prefix, offset = np.zeros(self.rows, dtype=np.int64), np.zeros(self.rows, dtype=np.int64)
             if self.gathered:  # row r: input r's last token, its root
                 prefix[rows], offset[rows] = draws.prefixes, draws.offsets
             else:
@@ -220,9 +227,12 @@ class StaticStep:
                 child = within > np.repeat(froms, ks)
                 parent[flat[child]] = (np.repeat(rows * t, ks) + np.array(local))[child]
                 draft[flat[child]] = np.array(packed)[child]
+            if not draws.params.greedy:
+                keys[:] = draw_keys(prefix, offset)
             inv_t = 1.0 if draws.params.greedy else 1.0 / draws.params.temperature
-            if inv_t != self._inv_t:  # a fill on the device, queued: no copy, no wait
-                self.inv_t.fill_(inv_t)
+            if inv_t != self._inv_t:  # fills on the device, queued: no copy, no wait
+                self.inv_t[:1].fill_(inv_t)
+                self.inv_t[1:].fill_(-inv_t)
                 self._inv_t = inv_t
         self.ints.copy_(torch.from_numpy(ints))
         self.bools.copy_(torch.from_numpy(bools))
@@ -235,14 +245,15 @@ class StaticStep:
                        _StaticAttention(self), self.last if self.gathered else None)
 
     def draw(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """Every logits row (`run()`'s) drawn with its keyed draw, and the drafts walked: [3, R] fp64 (drawn
-        token, its log-prob, reached by the walk), device work alone. `params`: its greedy, top_k and top_p
-        (what the ops' shapes depend on); the temperature comes from the `inv_t` buffer `load` sets."""
-        keys = None if params.greedy else draw_keys(self.prefix, self.offset)
-        drawn, logprobs = sample_tensors(logits, params, keys, self.inv_t)
+        """Every logits row (`run()`'s) drawn with its keyed draw, and the drafts walked: [3, R] fp32 (drawn
+        token, exact below 2^24; its log-prob; reached by the walk), device work alone. `params`: its greedy,
+        top_k and top_p (what the ops' shapes depend on); the temperature comes from the `inv_t` buffer `load`
+        sets."""
+        drawn, logprobs = sample_tensors(logits, params, self.row_keys, self.inv_t, self.drawn[: self.rows])
         walked = not self.gathered and self.t > 1
-        reached = walk(drawn, self.parent, self.draft, self.t - 1).double() if walked else self.reached_all
-        return torch.stack((drawn.double(), logprobs.double(), reached))
+        reached = walk_trees(self.drawn, self.parent, self.draft, self.sees[:, :, 1 : self.t + 1]) if walked \
+            else self.reached_all
+        return torch.stack((drawn, logprobs, reached))  # one op, each widened to fp32
 
     def mask(self) -> torch.Tensor:
         """Additive mask [B, 1, G * T, L] in the cache's dtype (G query heads of each KV head folded into the
