@@ -14,7 +14,7 @@ from rhymerl.engine.device_verification import StepDraws
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import ModelRunner, SlotInput
-from rhymerl.engine.sampler import sample
+from rhymerl.engine.sampler import keyed_uniforms, sample
 from rhymerl.engine.sampling_params import SamplingParams, draw_key, draw_prefix, request_key
 from rhymerl.model.pretrained import chat_prompt_ids
 from rhymerl.model.weights import load_decoder
@@ -61,6 +61,16 @@ def test_sampler_draws_the_same_tokens_on_cuda_and_cpu():
         gpu_tokens, gpu_logps = sample(logits.cuda(), params, keys)
         assert gpu_tokens == cpu_tokens
         torch.testing.assert_close(torch.tensor(gpu_logps), torch.tensor(cpu_logps), atol=1e-5, rtol=1e-5)
+
+
+def test_keyed_uniforms_are_the_same_bits_on_cuda_and_cpu():
+    """The noise is integer arithmetic and exact conversions (`sampler._uniforms`: a uint64 view widened by the
+    kernel's own cast), so a GPU's uniforms are the CPU's bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (64,), generator=g)
+    cols = torch.randint(0, 1 << 41, (64, 448), generator=g)
+    cpu = keyed_uniforms(keys, cols)
+    assert torch.equal(keyed_uniforms(keys.cuda(), cols.cuda()).cpu().view(torch.int64), cpu.view(torch.int64))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])

@@ -11,7 +11,7 @@ import torch
 from rhymerl.engine.backends import CudaBackend
 from rhymerl.engine.backends.op_trace import OpTrace
 from rhymerl.engine.backends.static_step import StaticStep
-from rhymerl.engine.device_verification import StepDraws, read_drawn, walk
+from rhymerl.engine.device_verification import StepDraws, read_drawn, walk, walk_trees
 from rhymerl.engine.engine import Engine
 from rhymerl.engine.kv_cache import KVCache
 from rhymerl.engine.model_runner import SlotInput, _ancestors
@@ -110,6 +110,58 @@ def test_the_doubling_walk_reaches_what_one_level_a_round_reaches():
             reached = is_root | (reached.gather(0, parent) & match)
         for levels in (int(depth.max()), int(depth.max()) + 5):
             assert torch.equal(walk(drawn, parent, token, levels), reached), (trial, levels)
+
+
+def test_the_walk_over_ancestor_matrices_reaches_what_the_doubling_walk_reaches():
+    """`walk_trees` (a fixed-shape step's: four ops over the attention mask's ancestor matrices, roots pointing
+    at a sentinel -1) against `walk` on random forests of B trees of T rows, some rows roots of their own
+    (padding, a chain's rows before its first drawn one), 2 tokens (long matching paths)."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(100):
+        b, t = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 12, (1,), generator=gen))
+        r = b * t
+        local = [[-1] + [-1 if bool(torch.rand(1, generator=gen) < 0.15) else int(torch.randint(0, i, (1,), generator=gen))
+                         for i in range(1, t)] for _ in range(b)]
+        ancestors = torch.zeros(b, t, t, dtype=torch.bool)
+        for k, tree in enumerate(local):
+            for i, p in enumerate(tree):
+                ancestors[k, i] = ancestors[k, p] if p >= 0 else False
+                ancestors[k, i, i] = True
+        parent = torch.tensor([k * t + (p if p >= 0 else i) for k, tree in enumerate(local) for i, p in enumerate(tree)])
+        is_root = parent == torch.arange(r)
+        token = torch.randint(0, 2, (r,), generator=gen).masked_fill_(is_root, -1)
+        drawn = torch.randint(0, 2, (r,), generator=gen)
+        expected = walk(drawn, parent, token, t)
+        got = walk_trees(torch.cat((drawn, torch.tensor([-1]))), parent.masked_fill(is_root, r), token, ancestors)
+        assert torch.equal(got, expected), trial
+
+
+# Computing ops (on a GPU, kernels) of `StaticStep.draw`, 32 rows of smollm2's vocabulary (49152: whole blocks
+# of 256) or of 1000 (a short last block): keyed draws at temperature 1 and greedy, one token a row (T = 1, no
+# walk) and trees of 8 tokens (the walk). Before (keys hashed in the step, a uniform in five ops, the block's
+# columns gathered in seven, the walk by pointer doubling, three ops to stack the result): 86, 6, 100, 20; 88
+# at T = 1 in bf16 (its logits copied to fp32 first; now read as they are). Greedy in bf16: one more (its
+# log_softmax reads a copy in fp32, as before).
+DRAW_LAUNCHES = {(1, "t1"): 56, (1, "greedy"): 4, (8, "t1"): 60, (8, "greedy"): 8, (1, "t1-short-block"): 61}
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_draws_and_the_walk_launch_so_many_kernels(tokens, dtype):
+    model = tiny_decoder("llama-d64")
+    c = model.cfg
+    cache = KVCache(c.num_layers, 32, 96, c.num_kv_heads, c.head_dim, dtype, "cpu", 8)
+    step = StaticStep(model, cache, False, 32, tokens, 64)
+    step.load([], [])
+    cases = [("t1", SamplingParams(), 49152), ("greedy", SamplingParams(temperature=0), 49152)]
+    for name, params, vocab in cases + ([("t1-short-block", SamplingParams(), 1000)] if tokens == 1 else []):
+        logits = torch.randn(32 * tokens, vocab).to(dtype)
+        with torch.inference_mode():
+            step.draw(logits, params)  # a warm-up, as before a capture: the sampler makes its constants once
+            with OpTrace() as trace:
+                step.draw(logits, params)
+        bf16_copy = name == "greedy" and dtype == torch.bfloat16
+        assert trace.launches == DRAW_LAUNCHES[tokens, name] + bf16_copy, name
 
 
 # ops that read a device value on the host or whose output shape depends on the data (a capture forbids both)
