@@ -73,12 +73,19 @@ def _first_child_walk(drawn, parent, token, levels):
     return reached
 
 
+def _first_child_walk_trees(drawn, parent, token, ancestors):
+    """`_first_child_walk` in the step's layout (`device_verification.walk_trees`: roots point at the sentinel
+    row R of `drawn`)."""
+    rows = torch.arange(len(parent), device=parent.device)
+    return _first_child_walk(drawn[:-1], torch.where(parent == len(parent), rows, parent), token, ancestors.shape[1])
+
+
 def apply_mutant(monkeypatch, mutant: str | None) -> None:
     if mutant == "first_child":
         monkeypatch.setattr(verify_mod, "accept", _first_child_accept)
     elif mutant == "first_child_device":  # after the step (`verify_on_device`) and inside it (`StaticStep.draw`)
         monkeypatch.setattr(device_mod, "walk", _first_child_walk)
-        monkeypatch.setattr(static_mod, "walk", _first_child_walk)
+        monkeypatch.setattr(static_mod, "walk_trees", _first_child_walk_trees)
     elif mutant == "row_off":
         monkeypatch.setattr(engine_mod, "verify", _row_off_verify(verify_mod.verify))
     else:
@@ -207,9 +214,10 @@ def test_the_device_walk_follows_the_policy_distribution(device, monkeypatch):
         pytest.skip("needs a CUDA GPU")
     model = sharpened(4.0, torch.bfloat16).to(device)
     walks = []
-    real_walk = device_mod.walk
-    for mod in (device_mod, static_mod):  # the walk after the step or inside it (the engine's way)
-        monkeypatch.setattr(mod, "walk", lambda *a: walks.append(1) or real_walk(*a))
+    # the walk after the step or inside it (the engine's way)
+    for mod, name in ((device_mod, "walk"), (static_mod, "walk_trees")):
+        real_walk = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real_walk=real_walk: walks.append(1) or real_walk(*a))
     p1, p2, first, second, eng = sample_verified(model, None, monkeypatch, n=3000, static=device == "cpu")
     assert isinstance(eng.runner.backend, CudaBackend) and eng.runner.backend.mode != "eager" and walks
     assert len(first) > 1200 and len(second) > 500
