@@ -120,7 +120,7 @@ def verify_on_device(drafts: list[Draft], logits: torch.Tensor, starts: list[int
 
 def read_drawn(drafts: list[Draft], out: torch.Tensor, index: np.ndarray) -> tuple[list[Verified] | None, float]:
     """`verify_on_device`'s result from what a step drew in itself (`ModelRunner.run_drawn`): `out` [3, X] on
-    the device (per row: drawn token, its log-prob, reached, as fp64), `index` the columns of each draft's
+    the device (per row: drawn token, its log-prob, reached, as fp32), `index` the columns of each draft's
     rows (its root, then its nodes). Returns (the Verified list, or None for a draft whose path forks; the
     seconds the host waited for the device)."""
     t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def _uniforms(x: torch.Tensor, half_ulp: torch.Tensor) -> torch.Tensor:
     fp64 tensor. (v + 0.5) * 2^-53 for the top 53 bits v of the hash z, in two ops: z with its low 11 bits
     cleared, read as uint64 (a view; unlike its shifts, widening uint64 is a copy kernel's and a CUDA kernel's
     cast), is v * 2^11, widened exactly; half_ulp + 2^-64 * that in fp64 rounds once, as (v + 0.5) * 2^-53
-    does (scaling by a power of two commutes with rounding): the same bits, where the shift took three ops."""
+    does (scaling by a power of two commutes with rounding): the same bits, where a logical shift, the widening and the affine map took five."""
     return torch.add(half_ulp, _mix(x).bitwise_and_(-(1 << 11)).view(torch.uint64), alpha=1.0 / (1 << 64))
 
 
