@@ -20,8 +20,11 @@ x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench
 goes (forwards, tokens per sequence forward, prompt tokens computed, acceptance, migrations) beside the seconds
 of rollout, update and weight sync.
 
-History changes how fast a rollout runs, never what it samples (docs/design.md, section 6), so in fp32 and sync
-mode the two reward curves are identical and `reward_curve_max_abs_diff` is 0. `history_speedup` is the off
+History changes how fast a rollout runs, never what it samples (docs/design.md, section 6), so with the rollout
+in fp32 (`--dtype fp32`) both runs train on the same samples, and with a deterministic update the two reward
+curves are identical: `reward_curve_max_abs_diff` is 0. The update's dtype (`train.dtype`) is `--dtype` unless
+`--train-dtype` says otherwise: bf16 (autocast over fp32 master weights) does the same work on both sides,
+faster than fp32 where bf16 matmuls are native, and keeps the curves identical. `history_speedup` is the off
 run's median seconds per step over the on run's, after the first `--skip-steps` steps (the first epoch has no
 history, and the first steps hold the workers' start-up). No TRL run here: `bench e2e` without `--compare` is
 the comparison with TRL.
@@ -44,6 +47,7 @@ from rhymerl.config import load_config
 from rhymerl.errors import UserError
 from rhymerl.metrics import read_metrics
 from rhymerl.model.fetch import resolve_model_dir
+from rhymerl.model.pretrained import resolve_dtype
 from rhymerl.rl.loop import TrainingRun
 
 HISTORY = {"on": ["rollout.speculative=histospec", "rollout.schedule=histopipe"],
@@ -64,7 +68,8 @@ def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:
 # Per step, from the run's metrics.jsonl: what the table and the JSON line show. Seconds first, then the counts
 # that do not depend on the machine's load: where a side's rollout time goes (forwards, committed tokens per
 # sequence forward, prompt tokens computed, HistoSpec's acceptance, migrations and their re-prefilled tokens).
-STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_s": "timing_s/update",
+STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout",
+                "rollout_wait_s": "timing_s/rollout_wait", "update_s": "timing_s/update",
                 "sync_s": "timing_s/sync", "reward_s": "timing_s/reward", "reward": "critic/rewards/mean",
                 "response_length": "response_length/mean", "bubble_ratio": "rollout/bubble_ratio",
                 "forwards": "rollout/forward_passes", "tokens_per_forward": "rollout/tokens_per_forward",
@@ -75,8 +80,15 @@ STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "upd
 
 def _steps(run_dir: Path) -> list[dict]:
     """Each step's figures (STEP_FIGURES) from a finished run; a checkpoint's write is not counted in its step.
-    `worker_busy_s`: the busiest worker's time with a request running; `driver_s`: the rest of the rollout's
-    wall time (the Ray calls, the split, history slices, gathering: what the driver adds to the workers)."""
+    `worker_busy_s`: the busiest worker's time with a request running in the step's rollout. `exposed_s`: the
+    step's seconds outside the update, the weight sync and the reward: the rollout's wall time and the
+    driver's own work (in one_step_off, what of the rollout the overlap did not hide). `driver_s`, for a step
+    that rolled out on its own weights (sync, and one_step_off's first step): the rest of the rollout's wall
+    time (the Ray calls, the split, history slices, gathering, recording: what the driver adds to the
+    workers). None for a step rolled out ahead (one_step_off, `rollout/staleness` 1): its rollout ran during
+    the previous step's update, so its busy time is no part of this step's seconds, and the loop's one timer
+    before the update (`timing_s/rollout`) holds both the wait for the step's groups and the driver's work
+    on them, which cannot be told apart."""
     rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
     out = []
     for r in rows:
@@ -84,7 +96,9 @@ def _steps(run_dir: Path) -> list[dict]:
         step["step_s"] = r["timing_s/step"] - r.get("timing_s/save", 0.0)
         busy = [v for k, v in r.items() if k.startswith("rollout/worker") and k.endswith("/busy_s")]
         step["worker_busy_s"] = max(busy, default=0.0)
-        step["driver_s"] = step["rollout_s"] - step["worker_busy_s"]
+        step["exposed_s"] = step["step_s"] - step["update_s"] - (step["sync_s"] or 0.0) - (step["reward_s"] or 0.0)
+        ahead = r.get("rollout/staleness", 0) > 0
+        step["driver_s"] = None if ahead else step["rollout_s"] - step["worker_busy_s"]
         step["tokens"] = sum(v for k, v in r.items() if k.startswith("rollout/worker") and k.endswith("/tokens"))
         out.append(step)
     return out
@@ -98,12 +112,15 @@ def run_side(overrides: list[str], out_dir: Path) -> list[dict]:
 
 # The JSON line's `{side}_{name}`: the median of each per-step figure after the skipped steps
 MEDIANS = {"s_per_step": "step_s", "rollout_s": "rollout_s", "update_s": "update_s", "sync_s": "sync_s",
-           "driver_s": "driver_s", "forwards": "forwards", "tokens_per_forward": "tokens_per_forward",
+           "driver_s": "driver_s", "exposed_s": "exposed_s",
+           "rollout_wait_s": "rollout_wait_s", "forwards": "forwards", "tokens_per_forward": "tokens_per_forward",
            "prefill_tokens": "prefill_tokens", "migrations": "migrations", "accept_rate": "accept_rate"}
 
 
-def _median_after(steps: list[dict], key: str, skip: int) -> float:
-    return round(statistics.median(s[key] for s in steps[skip:]), 3)
+def _median_after(steps: list[dict], key: str, skip: int) -> float | None:
+    """The median of `key` over the steps after the first `skip`, those that have it; None if none has."""
+    values = [s[key] for s in steps[skip:] if s.get(key) is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 def workload(num_workers: int = 2, **given) -> dict:
@@ -128,9 +145,11 @@ def workload(num_workers: int = 2, **given) -> dict:
 
 def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, mode: str = "sync",
         learning_rate: float = 1e-5, skip_steps: int = 2, seed: int = 0, overrides: list[str] = (),
-        compare: str = "history", history: str = "on", **given) -> dict:
+        compare: str = "history", history: str = "on", train_dtype: str | None = None, **given) -> dict:
     """Both runs (`sides`) of the job `workload(num_workers, **given)`, the expected faster first; the summary
-    whose JSON is the bench's last line."""
+    whose JSON is the bench's last line. `dtype` is the rollout's (`rollout.dtype`) and, unless `train_dtype`
+    is given, the update's (`train.dtype`; bf16: autocast over fp32 master weights)."""
+    train_dtype = train_dtype or dtype
     job = workload(num_workers, **given)
     data, num_prompts, prompts_per_step = job["data"], job["num_prompts"], job["prompts_per_step"]
     num_generations, max_completion_length, num_slots = (job["num_generations"], job["max_completion_length"],
@@ -149,7 +168,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, 
               f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
               f"rollout.max_completion_length={max_completion_length}", f"rollout.num_slots={num_slots}",
               f"rollout.max_draft_tokens={job['max_draft_tokens'] or 0}",
-              f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
+              f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={train_dtype}",
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"rollout.mode={mode}",
               "rollout.backend=ray", f"rollout.num_workers={num_workers}", f"run.seed={seed}", "run.save_every=0",
               "run.progress=false", "run.tensorboard=false", *overrides]
@@ -167,11 +186,15 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, 
     progress.done()
     on, off = results.values()  # the expected faster run first
     diff = max(abs(a["reward"] - b["reward"]) for a, b in zip(on, off))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     on_s, off_s = _median_after(on, "step_s", skip_steps), _median_after(off, "step_s", skip_steps)
     figures = {f"{side}_{name}": _median_after(results[side], key, skip_steps)
-               for side in runs for name, key in MEDIANS.items() if results[side][-1].get(key) is not None}
-    return {"compare": compare, "history": history if compare == "stream" else None, "model": model, "dtype": dtype, "data": data, "mode": mode, "num_workers": num_workers,
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
+               for side in runs for name, key in MEDIANS.items()}
+    figures = {k: v for k, v in figures.items() if v is not None}  # a figure no step has (sync: no rollout wait)
+    return {"compare": compare, "history": history if compare == "stream" else None, "model": model,
+            "dtype": dtype, "train_dtype": train_dtype, "train_dtype_resolved": resolve_dtype(train_dtype, device),
+            "data": data, "mode": mode, "num_workers": num_workers, "device": device,
+            "threads": torch.get_num_threads(),
             "num_prompts": num_prompts, "prompts_per_step": prompts_per_step, "num_generations": num_generations,
             "max_completion_length": max_completion_length, "num_slots": num_slots, "temperature": temperature,
             "max_draft_tokens": job["max_draft_tokens"], "steps": steps,
@@ -179,11 +202,18 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_workers: int = 2, 
             "reward_curve_max_abs_diff": round(diff, 6), "runs": results}
 
 
+def _train_dtype(summary: dict) -> str:
+    """The update's dtype as given, and what auto resolved to"""
+    given, resolved = summary["train_dtype"], summary["train_dtype_resolved"]
+    return given if given == resolved else f"{given} ({resolved})"
+
+
 def print_table(summary: dict, console: Console | None = None) -> None:
     console = console or table_console()
     names = list(summary["sides"])
     title = "history on vs off" if summary["compare"] == "history" else " vs ".join(names)
-    t = Table(title=f"{title}: {summary['model']} {summary['dtype']}, {summary['data']}, "
+    t = Table(title=f"{title}: {summary['model']}, rollout {summary['dtype']}, update {_train_dtype(summary)}, "
+                    f"{summary['data']}, "
                     f"{summary['num_workers']} Ray workers, {summary['mode']}, {summary['steps']} steps "
                     f"(medians after the first {summary['skip_steps']})")
     columns = {"s/step": "s_per_step", "rollout s": "rollout_s", "update s": "update_s", "sync s": "sync_s",

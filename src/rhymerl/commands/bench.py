@@ -58,16 +58,17 @@ def cmd_bench_matmul(args) -> int:
 def cmd_bench_e2e(args) -> int:
     """`bench e2e`: seconds per GRPO step, TRL's GRPOTrainer vs rhymerl (speculation off, HistoSpec); with
     `--compare history`, rhymerl with history on vs off on Ray workers."""
-    # the workload's options left out (None) take each comparison's defaults: TRL's small arithmetic job, or
-    # part 1's rhyming workload for --compare history|stream (history_bench.workload)
-    given = {k: getattr(args, k) for k in ("num_prompts", "prompts_per_step", "num_generations",
-                                           "max_completion_length", "epochs", "temperature")}
-    given = {k: v for k, v in given.items() if v is not None}
+    # workload options left out (None) take each comparison's defaults: TRL's small arithmetic job, or part 1's
+    # rhyming workload for --compare history|stream (history_bench.workload)
+    named = ("num_prompts", "prompts_per_step", "num_generations", "max_completion_length", "epochs", "temperature")
+    given = {k: getattr(args, k) for k in named if getattr(args, k) is not None}
     if args.compare in history_bench.COMPARES:
         return _report(history_bench, history_bench.run(
             args.model, args.dtype, args.workers, args.mode, args.learning_rate, args.skip_steps, args.seed,
-            compare=args.compare, history=args.history, data=args.data, num_slots=args.slots,
-            max_draft_tokens=args.max_draft_tokens, **given))
+            compare=args.compare, history=args.history, train_dtype=args.train_dtype, data=args.data,
+            num_slots=args.slots, max_draft_tokens=args.max_draft_tokens, **given))
+    if args.train_dtype is not None:
+        raise UserError("bench e2e --train-dtype: only with --compare history|stream (TRL and rhymerl share --dtype)")
     summary = e2e_bench.run(args.model, args.dtype, micro_batch_size=args.micro_batch_size,
                             learning_rate=args.learning_rate, format_weight=args.format_weight, seed=args.seed,
                             skip_trl=args.skip_trl, **given)
@@ -171,7 +172,8 @@ def add_parser(sub) -> None:
     b2 = bsub.add_parser("e2e", help="seconds per GRPO step: TRL GRPOTrainer vs rhymerl (off, HistoSpec)",
                          formatter_class=DefaultsHelp)
     b2.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
-    b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run")
+    b2.add_argument("--dtype", default="fp32", help="fp32 (TRL's CPU default) or bf16, for every run (--compare "
+                    "history|stream: rollout.dtype, and train.dtype unless --train-dtype)")
     b2.add_argument("--num-prompts", type=positive_int, default=None,
                     help="size of the built-in prompt set (default: 8; --compare history|stream: part 1's 12)")
     b2.add_argument("--prompts-per-step", type=positive_int, default=None,
@@ -200,6 +202,9 @@ def add_parser(sub) -> None:
     b2.add_argument("--history", choices=("on", "off"), default="on",
                     help="--compare stream: both runs' history settings (on: HistoSpec and the histopipe split; "
                          "off: plain decoding, static split)")
+    b2.add_argument("--train-dtype", choices=("fp32", "bf16", "auto"), default=None,
+                    help="--compare history|stream: train.dtype (bf16: autocast over fp32 master weights), default "
+                         "--dtype; with --dtype fp32 (the rollout's) the reward curves stay identical")
     b2.add_argument("--workers", type=positive_int, default=2, help="--compare history|stream: Ray rollout workers")
     b2.add_argument("--data", default=None,
                     help="--compare history|stream: the built-in task (data.task; default: part 1's repeat)")
