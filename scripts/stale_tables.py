@@ -28,7 +28,8 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 SRC = ROOT / "src"
 MARK = " (stale)"
 
-# The module each command's section of the page runs, by the command in its `## ` heading.
+# The module each command's section of the page runs (or the modules, where its tables run several), by the
+# command in its `## ` heading.
 ENTRY = {
     "rhymerl bench engine": "rhymerl.bench.engine_bench",
     "rhymerl bench matmul": "rhymerl.bench.matmul_bench",
@@ -36,7 +37,8 @@ ENTRY = {
     "rhymerl train": "rhymerl.commands.train",
     "rhymerl bench pipe": "rhymerl.bench.pipe_bench",
     "rhymerl bench workers": "rhymerl.bench.workers_bench",
-    "rhymerl bench e2e": "rhymerl.bench.e2e_bench",
+    # with `--compare history|stream` the section's tables run history_bench instead (rhymerl.commands.bench)
+    "rhymerl bench e2e": ("rhymerl.bench.e2e_bench", "rhymerl.bench.history_bench"),
     "rhymerl bench update": "rhymerl.bench.update_bench",
 }
 GPU_MACHINES = ("H100", "H200")
@@ -75,9 +77,10 @@ def _imports(path: Path, name: str) -> set[str]:
     return {m for m in out if m.split(".")[0] == "rhymerl"}
 
 
-def command_files(entry: str, gpu: bool) -> list[str]:
-    """The source files (relative to src/) that command `entry` runs, by the rule in the module doc."""
-    seen, todo, files = set(), [entry], set()
+def command_files(entry: str | tuple[str, ...], gpu: bool) -> list[str]:
+    """The source files (relative to src/) that command `entry` (its module, or the modules its section's
+    tables run) runs, by the rule in the module doc."""
+    seen, todo, files = set(), [entry] if isinstance(entry, str) else list(entry), set()
     while todo:
         name = todo.pop()
         if name in seen:
