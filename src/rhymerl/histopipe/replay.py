@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from rhymerl.cost_model import CostModel
 from rhymerl.histospec import budget
-from rhymerl.histospec.calibration import EdgeCalibration, edge_events, match_class
+from rhymerl.histospec.calibration import EdgeCalibration, match_class
 from rhymerl.histospec.drafter import Draft, Drafter
 from rhymerl.histospec.speculator import MATCH_WINDOW, SIBLING_PROMPT_TOKENS
 from rhymerl.histospec.suffix_index import SuffixIndex
@@ -134,10 +134,7 @@ class Replay:
                     kept = budget.prune(draft, set(order[:keep[0]]))
             path = accepted_path(kept, response[at:])
             if kept.tokens and learn:
-                cal = self.calibration
-                for d, (predicted, continued) in enumerate(edge_events(kept, path)):
-                    cal.num[match_class(kept.match_len)][d] += continued
-                    cal.den[match_class(kept.match_len)][d] += predicted
+                self.calibration.update(kept, path, decay=1.0)
             if kept.tokens:
                 units += self.row_cost(len(kept), max(kept.depths())) / (self.plain / self.slots)
             else:

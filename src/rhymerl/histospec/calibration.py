@@ -54,14 +54,16 @@ class EdgeCalibration:
             out.append(out[-1] * c)
         return out
 
-    def update(self, draft: Draft, accepted_nodes: list[int]) -> None:
+    def update(self, draft: Draft, accepted_nodes: list[int], decay: float = DECAY) -> None:
         """Learn from one verified draft: at each node the walk reached, the drafter predicted the walk would
-        continue with probability (sum of the children's shares); it did continue at every node but the last."""
+        continue with probability (sum of the children's shares); it did continue at every node but the last.
+        `decay`: the weight left to what was counted before (1.0: every draft counts alike, as a replay of
+        recorded responses wants, where no draft is more recent than another)."""
         cls = match_class(draft.match_len)
         num, den = self.num[cls], self.den[cls]
         for d, (predicted, continued) in enumerate(edge_events(draft, accepted_nodes)):
-            num[d] = DECAY * num[d] + continued
-            den[d] = DECAY * den[d] + predicted
+            num[d] = decay * num[d] + continued
+            den[d] = decay * den[d] + predicted
 
     def state_dict(self) -> dict:
         return {"num": [list(r) for r in self.num], "den": [list(r) for r in self.den]}
