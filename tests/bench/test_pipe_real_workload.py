@@ -45,3 +45,43 @@ def test_real_run_rolls_out_the_chosen_task(tmp_path):
     _, tokenizer, _ = load_pretrained(str(model), "fp32", "cpu")
     ids = pipe_real.task_prompts(tokenizer, "repeat", 2)
     assert [tokenizer.decode(p).strip() for p in ids] == [e.prompt for e in builtin_examples("repeat", 2, 0)]
+
+
+class _Pool:
+    """A stand-in pool: each request's tokens name its request id and seed; `record` keeps what it is given."""
+
+    def __init__(self):
+        self.calls, self.recorded = [], []
+
+    def rollout(self, groups, params):
+        from types import SimpleNamespace
+        self.calls.append(([r for g in groups for r in g.request_ids], params.seed))
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[r, params.seed])
+                                        for g in groups for r in g.request_ids])
+
+    def record(self, prompt, responses):
+        self.recorded.append((prompt, responses))
+
+
+def test_history_epochs_record_each_epoch_with_its_own_draws():
+    from rhymerl.rollout import RolloutGroup
+    prompts = [[1, 2], [3]]
+
+    def groups(tag):
+        return [RolloutGroup(p, [f"{tag}-p{i}-g{g}" for g in range(2)]) for i, p in enumerate(prompts)]
+
+    pool = _Pool()
+    tokens = pipe_real.record_history(pool, groups, prompts, 2, 3, temperature=0.6, max_tokens=8, seed=5)
+    # epoch 1 as a single epoch always was (tag e1, seed + 1000), then other tags and seeds
+    assert [(ids[0], seed) for ids, seed in pool.calls] == [("e1-p0-g0", 1005), ("h2-p0-g0", 1007),
+                                                           ("h3-p0-g0", 1008)]
+    assert len(pool.recorded) == 6 and tokens == 3 * 4 * 2
+    assert pool.recorded[1] == ([3], [["e1-p1-g0", 1005], ["e1-p1-g1", 1005]])  # each prompt its own siblings
+    with pytest.raises(UserError, match="--real-history-epochs"):
+        pipe_real.record_history(_Pool(), groups, prompts, 2, 0, temperature=0.6, max_tokens=8, seed=5)
+
+
+def test_the_rhyming_workload_records_three_epochs_and_the_option_wins():
+    assert real_workload("rhyming", None).history_epochs == 3  # the timed epoch sees each prompt a 4th time
+    assert real_workload(None, None).history_epochs == 1
+    assert real_workload("rhyming", None, history_epochs=1).history_epochs == 1

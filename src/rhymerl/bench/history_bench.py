@@ -24,7 +24,12 @@ History changes how fast a rollout runs, never what it samples (docs/design.md, 
 in fp32 (`--dtype fp32`) both runs train on the same samples, and with a deterministic update the two reward
 curves are identical: `reward_curve_max_abs_diff` is 0. The update's dtype (`train.dtype`) is `--dtype` unless
 `--train-dtype` says otherwise: bf16 (autocast over fp32 master weights) does the same work on both sides,
-faster than fp32 where bf16 matmuls are native, and keeps the curves identical. `history_speedup` is the off
+faster than fp32 where bf16 matmuls are native, and keeps the curves identical in sync mode, where the loss
+reads the trainer's own log-probs only. In one_step_off the TIS weights bring the rollout's log-probs into the
+loss, and those differ between the two runs in their last bits (the same tokens, computed in batches of other
+rows and drafts: up to 4e-5 for smollm2-135m in fp32, docs/notebook/2026-11-28-b.md); an fp32 update keeps
+that at rounding level, a bf16 update's roundings can turn it into other weights and, steps later, another
+sample (the per-step `pg_loss` and `tis_weight_mean` show where the updates part). `history_speedup` is the off
 run's median seconds per step over the on run's, after the first `--skip-steps` steps (the first epoch has no
 history, and the first steps hold the workers' start-up). No TRL run here: `bench e2e` without `--compare` is
 the comparison with TRL.
@@ -68,6 +73,9 @@ def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:
 # Per step, from the run's metrics.jsonl: what the table and the JSON line show. Seconds first, then the counts
 # that do not depend on the machine's load: where a side's rollout time goes (forwards, committed tokens per
 # sequence forward, prompt tokens computed, HistoSpec's acceptance, migrations and their re-prefilled tokens).
+# Last, what says where two runs' updates part (the reward is read after the rollout, so it moves a step
+# later): the loss, the rollout's log-probs against the trainer's, and (one_step_off) the TIS weights, which
+# carry the rollout's log-probs into the gradient.
 STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout",
                 "rollout_wait_s": "timing_s/rollout_wait", "update_s": "timing_s/update",
                 "sync_s": "timing_s/sync", "reward_s": "timing_s/reward", "reward": "critic/rewards/mean",
@@ -75,7 +83,9 @@ STEP_FIGURES = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout",
                 "forwards": "rollout/forward_passes", "tokens_per_forward": "rollout/tokens_per_forward",
                 "prefill_tokens": "rollout/prefill_tokens", "accept_rate": "rollout/spec_accept_rate",
                 "draft_time_share": "rollout/draft_time_share", "migrations": "rollout/migrations",
-                "migration_prefill_s": "rollout/migration_prefill_s", "trained_seqs": "actor/trained_seqs"}
+                "migration_prefill_s": "rollout/migration_prefill_s", "trained_seqs": "actor/trained_seqs",
+                "pg_loss": "actor/pg_loss", "logprob_diff_mean": "actor/logprob_diff_mean",
+                "tis_weight_mean": "actor/tis_weight_mean"}
 
 
 def _steps(run_dir: Path) -> list[dict]:

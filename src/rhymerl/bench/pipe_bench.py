@@ -26,7 +26,7 @@ from rich.table import Table
 from rhymerl.bench.console import table_console
 # parts (a) and (b), importable from here as before the splits
 from rhymerl.bench.pipe_real import (RAY_VARIANTS, arithmetic_prompts, call_figures, log,  # noqa: F401
-                                     print_real_tables, real_workload, rounded, run_ray, run_real)
+                                     real_workload, rounded, run_ray, run_real)
 from rhymerl.bench.pipe_sim import (DEFAULT_WORKERS, GANTT_MAX_WORKERS, draw_step, draw_steps,  # noqa: F401
                                     read_checked_trace, simulate_modes, simulate_trace, trace_draws, write_gantt)
 from rhymerl.bench.pipe_context import measure_per_key
@@ -116,7 +116,7 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
         seed: int = 0, ray_workers: int = 2, modes: Sequence[str] = MODES, run_steps: int = 4, train_s: float = 0.0,
         out: str | Path | None = None, rhyming: Rhyming | None = None, context: str = "auto",
         tier2: bool = True, real_data: str | None = None, defer_tail: bool = True, max_staleness: int = 1,
-        migrations: Sequence[str] = MIGRATIONS) -> dict:
+        migrations: Sequence[str] = MIGRATIONS, real_history_epochs: int | None = None) -> dict:
     """The whole bench: the summary dict whose JSON is the bench's last line. With `real`, its "real" entry
     holds the `ray_workers` Ray workers' figures per schedule (`run_ray`; 0: not run) and, under
     "one_worker", one worker's FIFO vs longest-first (`run_real`), both on `real_workload(trace, real_data,
@@ -139,7 +139,8 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
             raise FileNotFoundError(f"--trace {trace}: no such file or run directory (or the built-in {RHYMING})")
         read_checked_trace(trace)  # a bad trace fails before the cost model is measured (simulated: read again)
     workload = real_workload(trace, real_data, ray_workers, prompts=real_prompts, num_generations=num_generations,
-                             slots=real_slots, max_tokens=max_tokens, temperature=temperature)
+                             slots=real_slots, max_tokens=max_tokens, temperature=temperature,
+                             history_epochs=real_history_epochs)
     progress = Progress("pipe", (cost_from == "measure") + 2 + real * (1 + (ray_workers > 0)))
     if cost_from == "measure":
         progress.stage(f"measuring the cost model on {model} ({slots} slots)")
@@ -170,14 +171,17 @@ def run(trace: str | Path | None = None, cost_from: str = "measure", model: str 
     if real:
         w = workload
         sizes = dict(num_prompts=w.prompts, num_generations=w.num_generations, slots=w.slots,
-                     max_tokens=w.max_tokens, temperature=w.temperature, task=w.task)
+                     max_tokens=w.max_tokens, temperature=w.temperature, task=w.task,
+                     history_epochs=w.history_epochs)
         log(f"real runs: {w.task}, {w.prompts} prompts x {w.num_generations} on {w.slots} slots per worker "
             f"({w.waves(1):g} waves on one worker, {w.waves(ray_workers):g} on each of {ray_workers} Ray workers)")
-        progress.stage(f"one real worker: epoch 1, then FIFO vs longest-first x {repeats}")
+        progress.stage(f"one real worker: {w.history_epochs} epoch(s) recorded, then FIFO vs longest-first x "
+                       f"{repeats}")
         one = run_real(model, **sizes, repeats=repeats, seed=seed, dtype=dtype, device=device, cost_model=cost_model)
         summary["real"] = {"one_worker": one}
         if ray_workers > 0:
-            progress.stage(f"{ray_workers} Ray workers: epoch 1, then every schedule x {repeats}")
+            progress.stage(f"{ray_workers} Ray workers: {w.history_epochs} epoch(s) recorded, then every schedule "
+                           f"x {repeats}")
             summary["real"] |= run_ray(model, num_workers=ray_workers, **sizes, repeats=repeats, seed=seed,
                                        dtype=dtype, device=device, tier2=tier2, cost_model=cost_model)
             summary["real"]["waves"] = w.waves(ray_workers)
@@ -244,3 +248,35 @@ def print_mode_table(summary: dict, console: Console) -> None:
     console.print(t)
     if summary.get("out"):
         console.print(f"Gantt charts: {summary['out']}")
+
+
+def print_real_tables(real: dict | None, console: Console) -> None:
+    """The real runs' tables: the Ray workers' schedules (when run), then one worker's admission orders."""
+    if real and "static" in real:
+        t = Table(title=f"{real['workers']} Ray workers: {real['model']} {real['dtype']}, {real['prompts']} prompts "
+                        f"x {real['num_generations']}, {real['slots']} slots each, max_tokens={real['max_tokens']}, "
+                        f"{real['repeats']} repeats, identical tokens: {real['identical']}")
+        for c in ("schedule", "makespan s", "runs s", "spread s", "bubble", "finish gap s", "split groups",
+                  "migrations", "re-prefill s", "vs static", "vs least_loaded"):
+            t.add_column(c, justify="right")
+        for name, _, _ in RAY_VARIANTS:
+            if name in real:
+                r = real[name]
+                t.add_row(name, f"{r['makespan_s']:.3f}", " ".join(f"{x:.3f}" for x in r["runs_s"]),
+                          f"{r['spread_s']:.3f}", f"{r['bubble']:.3f}", f"{r['finish_gap_s']:.3f}",
+                          f"{r['split_groups']:g}", f"{r['migrations']:g}", f"{r['migration_prefill_s']:.3f}",
+                          f"{r['speedup_vs_static']:.3f}x",
+                          f"{r['speedup_vs_least_loaded']:.3f}x" if r.get("speedup_vs_least_loaded") else "-")
+        console.print(t)
+    real = (real or {}).get("one_worker")
+    if real:
+        t = Table(title=f"One real worker: {real['model']} {real['dtype']}, {real['prompts']} prompts x "
+                        f"{real['num_generations']}, {real['slots']} slots, max_tokens={real['max_tokens']}, "
+                        f"{real['repeats']} repeats")
+        for c in ("admission", "median s", "runs s", "speed-up", "identical tokens"):
+            t.add_column(c, justify="right")
+        t.add_row("fifo", str(real["fifo"]["median_s"]), " ".join(map(str, real["fifo"]["runs_s"])), "1.0x",
+                  str(real["identical"]))
+        t.add_row("longest_first", str(real["longest_first"]["median_s"]),
+                  " ".join(map(str, real["longest_first"]["runs_s"])), f"{real['speedup']}x", str(real["identical"]))
+        console.print(t)

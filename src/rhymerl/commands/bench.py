@@ -204,7 +204,8 @@ def add_parser(sub) -> None:
                          "off: plain decoding, static split)")
     b2.add_argument("--train-dtype", choices=("fp32", "bf16", "auto"), default=None,
                     help="--compare history|stream: train.dtype (bf16: autocast over fp32 master weights), default "
-                         "--dtype; with --dtype fp32 (the rollout's) the reward curves stay identical")
+                         "--dtype; with --dtype fp32 (the rollout's) the reward curves stay identical in sync mode (in "
+                         "one_step_off a bf16 update may part them: see `rhymerl.bench.history_bench`)")
     b2.add_argument("--workers", type=positive_int, default=2, help="--compare history|stream: Ray rollout workers")
     b2.add_argument("--data", default=None,
                     help="--compare history|stream: the built-in task (data.task; default: part 1's repeat)")

@@ -49,7 +49,7 @@ def cmd_bench_pipe(args) -> int:
                              run_steps=args.run_steps, train_s=args.train_s, out=args.out, rhyming=rhyming,
                              context=args.context_cost, tier2=args.tier2, real_data=args.real_data,
                              defer_tail=args.defer_tail, max_staleness=args.max_staleness,
-                             migrations=names(args.migrations))
+                             migrations=names(args.migrations), real_history_epochs=args.real_history_epochs)
     pipe_bench.print_table(summary)
     print(json.dumps(summary))  # the last line: the summary
     return 0
@@ -112,8 +112,11 @@ def add_pipe_parser(bsub) -> None:
     bp.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature of the real runs (default: repeat 0.6, others 1.0)")
     bp.add_argument("--seed", type=int, default=0,
-                    help="the simulated steps' arrival order; the real runs' prompt set (epoch 1 samples with "
-                         "seed + 1000, the timed epoch with seed + 2000)")
+                    help="the simulated steps' arrival order; the real runs' prompt set (history epoch k samples "
+                         "with seed + 1000 (+ k past the first), the timed epoch with seed + 2000)")
+    bp.add_argument("--real-history-epochs", type=positive_int, default=None,
+                    help="epochs of the real runs recorded into the history before the timed one (default: "
+                         "repeat 3, so that the timed epoch sees each prompt a 4th time; others 1)")
     bp.add_argument("--modes", default="sync,one_step_off",
                     help="rollout modes of the simulated runs of --run-steps steps (sync, one_step_off)")
     bp.add_argument("--migrations", default=",".join(MIGRATIONS),
