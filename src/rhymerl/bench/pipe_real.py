@@ -81,11 +81,10 @@ class RealWorkload:
 
 # The recorded run's prompts, token limit and temperature (docs/notebook/2026-11-27.md, "the repeat task's
 # trace"), with 8 generations (the run had 4) for more requests per worker: 96 on 2 x 12 slots is 4 waves on
-# each Ray worker, 8 on one worker. 3 epochs of history: the timed epoch sees each prompt a 4th time, as
-# issue 32's workload asks, and one epoch's 8 responses predict a group's total badly (a response that runs
-# on to the cap comes and goes; docs/notebook/2026-11-28-b.md).
-RECORDED = RealWorkload("repeat", prompts=12, num_generations=8, slots=12, max_tokens=192, temperature=0.6,
-                        history_epochs=3)
+# each Ray worker, 8 on one worker. One epoch of history: three (`--real-history-epochs 3`, the timed epoch
+# then sees each prompt a 4th time, as a training run's 4th epoch does) made histopipe's plan no better on a
+# quiet seed-0 run and the bench 16.6 minutes long (docs/notebook/2026-11-28-b.md).
+RECORDED = RealWorkload("repeat", prompts=12, num_generations=8, slots=12, max_tokens=192, temperature=0.6)
 
 
 def real_workload(trace=None, real_data: str | None = None, ray_workers: int = 2, **given) -> RealWorkload:

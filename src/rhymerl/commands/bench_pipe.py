@@ -115,8 +115,8 @@ def add_pipe_parser(bsub) -> None:
                     help="the simulated steps' arrival order; the real runs' prompt set (history epoch k samples "
                          "with seed + 1000 (+ k past the first), the timed epoch with seed + 2000)")
     bp.add_argument("--real-history-epochs", type=positive_int, default=None,
-                    help="epochs of the real runs recorded into the history before the timed one (default: "
-                         "repeat 3, so that the timed epoch sees each prompt a 4th time; others 1)")
+                    help="epochs of the real runs recorded into the history before the timed one (default: 1; "
+                         "each takes about as long as one timed run per schedule)")
     bp.add_argument("--modes", default="sync,one_step_off",
                     help="rollout modes of the simulated runs of --run-steps steps (sync, one_step_off)")
     bp.add_argument("--migrations", default=",".join(MIGRATIONS),
