@@ -38,6 +38,9 @@ def test_history_on_and_off_train_the_same_run(cluster, tiny_dir, tmp_path, monk
     assert [s["response_length"] for s in on] == [s["response_length"] for s in off]
     assert [s["reward"] for s in on] == [s["reward"] for s in off]
     assert summary["reward_curve_max_abs_diff"] == 0  # the same samples, a deterministic update (bf16 autocast)
+    # sync: the loss reads the trainer's own log-probs only, so the two updates agree to the bit; no TIS weights
+    assert [s["pg_loss"] for s in on] == [s["pg_loss"] for s in off] and on[0]["pg_loss"] is not None
+    assert all(s["tis_weight_mean"] is None and s["logprob_diff_mean"] is not None for s in on + off)
     assert all(s["driver_s"] is not None and s["exposed_s"] > 0 for s in on + off)  # sync: every rollout in its step
     assert summary["history_speedup"] == pytest.approx(summary["off_s_per_step"] / summary["on_s_per_step"], rel=1e-2)
     assert not list(tmp_path.iterdir())  # the runs' directories are removed
@@ -100,6 +103,7 @@ def test_the_stream_on_and_off_train_the_same_one_step_off_run(cluster, tiny_dir
     stream, plain = summary["runs"]["stream"], summary["runs"]["no_stream"]
     assert [s["reward"] for s in stream] == [s["reward"] for s in plain]
     assert summary["reward_curve_max_abs_diff"] == 0
+    assert all(s["tis_weight_mean"] is not None and s["pg_loss"] is not None for s in stream + plain)  # TIS on
     assert (summary["dtype"], summary["train_dtype"]) == ("fp32", "fp32")  # --train-dtype defaults to --dtype
     # the first step rolls out in its own time; the later ones ahead, during the previous update: no driver_s
     for steps in (stream, plain):
