@@ -334,21 +334,14 @@ def _one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str:
 
 
 def test_failures_through_the_command(tmp_path, model_dir, trained):
-    """As a user meets them, in real processes: a fresh run into a run directory, a state.json naming a dtype
-    that does not exist, HistoPipe's Ray-only keys with the local backend, a Ray address where nothing runs
-    (ray.init would retry for minutes, printing Ray's warnings)."""
+    """As a user meets them, in real processes: a fresh run into a run directory, a Ray address where nothing
+    runs (ray.init would retry for minutes, printing Ray's warnings from outside Python, which only a real
+    process's stderr shows). (A state.json naming a dtype that does not exist and HistoPipe's Ray-only keys
+    with the local backend go through `cli.main` in-process: the next test; a subprocess costs seconds.)"""
     run, ckpt = _copy(trained, tmp_path)
     metrics = (run / "metrics.jsonl").read_bytes()
     _one_error_line(_run(*_train_args(model_dir, run, "train.total_steps=1")), run, "already holds a run", "--resume")
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing appended
-
-    state_file = ckpt / "state.json"
-    state = json.loads(state_file.read_text())
-    state_file.write_text(json.dumps({**state, "dtypes": {"rollout": "int8", "train": "fp32"}}))
-    _one_error_line(_run("train", "--resume", str(run)), state_file, "'dtypes'", "int8")
-
-    _one_error_line(_run(*_train_args(model_dir, tmp_path / "new", "rollout.schedule=histopipe")),
-                    "rollout.schedule", "rollout.backend=local")
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
@@ -361,6 +354,18 @@ def test_failures_through_the_command(tmp_path, model_dir, trained):
 def test_histopipes_ray_keys_are_refused_with_the_local_backend(capsys):
     _fails(capsys, ["train", "rollout.schedule=least_loaded"], "rollout.schedule", "'static'", "rollout.backend=ray")
     _fails(capsys, ["train", "rollout.migration=true"], "rollout.migration", "rollout.backend=ray")
+
+
+def test_a_resume_or_run_the_config_cannot_start_is_named(tmp_path, capsys, model_dir, trained):
+    """A state.json naming a dtype that does not exist; HistoPipe's split with the local backend (a full
+    training command line, as a user types it)."""
+    run, ckpt = _copy(trained, tmp_path)
+    state_file = ckpt / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "dtypes": {"rollout": "int8", "train": "fp32"}}))
+    _fails(capsys, ["train", "--resume", str(run)], state_file, "'dtypes'", "int8")
+    _fails(capsys, _train_args(model_dir, tmp_path / "new", "rollout.schedule=histopipe"),
+           "rollout.schedule", "rollout.backend=local")
 
 
 def test_a_fresh_run_never_writes_into_a_run_directory(tmp_path, capsys, model_dir, trained):

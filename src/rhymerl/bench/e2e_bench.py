@@ -10,6 +10,7 @@ counted on either side. rhymerl's off and HistoSpec runs share the seed, so thei
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 from pathlib import Path
@@ -45,7 +46,10 @@ def _summarise(step_s: list[float], rollout_s: list[float], rewards: list[float]
 
 def run_rhymerl(overrides: list[str], out_dir: Path, steps_per_epoch: int) -> dict:
     run = TrainingRun(load_config(None, overrides + [f"run.output_dir={out_dir}"]))
-    rows = [r for r in read_metrics(run.run()) if "timing_s/step" in r]
+    run_dir = run.run()  # which ends its Ray actors; the rest is collected before TRL's run
+    del run
+    gc.collect()
+    rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
     # The final checkpoint is written inside the last step; TRL saves nothing, so it is not counted.
     step_s = [r["timing_s/step"] - r.get("timing_s/save", 0.0) for r in rows]
     out = _summarise(step_s, [r["timing_s/rollout"] for r in rows], [r["critic/rewards/mean"] for r in rows],

@@ -136,9 +136,7 @@ def run_setup(name: str, overrides: list[str], out_dir: Path, steps: int, warmup
                 rows.append(step_figures(m, step_s, probe.calls[-1]))
         return rows, rollouts, cost_model, facts
     finally:
-        close = getattr(run.pool, "close", None)  # the Ray pool's actors end here; the cluster stays
-        if close is not None:
-            close()
+        run.pool.close()  # the Ray pool's actors end here (train_step, not run, drove it); the cluster stays
         run.logger.close()
         del run
         gc.collect()

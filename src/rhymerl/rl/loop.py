@@ -313,7 +313,8 @@ class TrainingRun:
             keep=self.cfg.run.keep_checkpoints, spec_state=self.pool.spec_state())
 
     def run(self) -> Path:
-        """Train from `start_step` to `train.total_steps`; returns the run directory."""
+        """Train from `start_step` to `train.total_steps`; returns the run directory. Ends the rollout pool's
+        workers either way (a Ray pool's actors; a local pool's worker stays readable)."""
         cfg, total = self.cfg, self.cfg.train.total_steps
         bar = tqdm(total=total, initial=self.start_step, desc="train", unit="step", disable=not cfg.run.progress,
                    dynamic_ncols=True)
@@ -338,6 +339,7 @@ class TrainingRun:
                                 accept=f"{m.get('rollout/spec_accept_rate', 0):.2f}")
         finally:
             self.ahead.close()  # a failed step may leave the next one's rollout running
+            self.pool.close()  # a Ray pool's actors would hold the cluster's CPUs and memory past the run
             self.trainer.close()  # several ranks: stop their processes
             self.scorer.close()
             bar.close()

@@ -77,6 +77,9 @@ class LocalPool:
         if states:
             self.worker.load_spec_state(states[0])
 
+    def close(self) -> None:
+        """Nothing to end: the worker lives in this process (and stays readable after a run)."""
+
     def record(self, prompt_ids: list[int], responses: list[list[int]],
                rewards: list[float | None] | None = None) -> None:
         self.history.record_rollout(prompt_ids, responses, rewards)

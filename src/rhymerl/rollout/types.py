@@ -112,3 +112,5 @@ class RolloutPool(Protocol):
     def spec_state(self) -> list[dict | None]: ...  # each worker's HistoSpec state, plain data (checkpointed)
 
     def load_spec_state(self, states: list[dict | None]) -> None: ...  # restore it on a resume
+
+    def close(self) -> None: ...  # end the workers that live outside this process (a Ray pool's actors)
