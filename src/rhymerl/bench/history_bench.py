@@ -16,9 +16,9 @@ seconds per step over the first's.
 The job (`workload`) is, unless options say otherwise, part 1's rhyming real workload as `bench pipe --trace
 rhyming` rolls it out on real workers (`pipe_real.real_workload`, one definition): the `repeat` task's 12 prompts
 x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench's one call, for 4 epochs
-(HistoSpec's draft cap as a training run sets it on the machine). Each step's figures include the load-independent counts of where rollout time
-goes (forwards, tokens per sequence forward, prompt tokens computed, acceptance, migrations) beside the seconds
-of rollout, update and weight sync.
+(HistoSpec's draft cap as a training run sets it on the machine). Each step's figures include the
+load-independent counts of where rollout time goes (forwards, tokens per sequence forward, prompt tokens
+computed, acceptance, migrations) beside the seconds of rollout, update and weight sync.
 
 History changes how fast a rollout runs, never what it samples (docs/design.md, section 6), so with the rollout
 in fp32 (`--dtype fp32`) both runs train on the same samples, and with a deterministic update the two reward

@@ -10,9 +10,9 @@ as before (16 prompts x 4 on 16 slots: one wave per Ray worker). Options given o
 
 `run_real`: one `RolloutWorker` behind a `LocalPool` on the real model and the workload's prompts.
 The workload's `history_epochs` epochs (FIFO, their own seeds; `record_history`) are recorded into the history
-so that predictions exist; then the timed epoch's groups run with `admission="fifo"` and `"longest_first"`, alternating `repeats` times with the same
-request ids and seed, the median rollout seconds of each reported, and the tokens checked identical (keyed
-randomness: only the timing may change).
+so that predictions exist; then the timed epoch's groups run with `admission="fifo"` and `"longest_first"`,
+alternating `repeats` times with the same request ids and seed, the median rollout seconds of each reported,
+and the tokens checked identical (keyed randomness: only the timing may change).
 
 `run_ray`: two Ray workers (`RayPool`) on the same prompts: the history's epochs recorded, then every
 schedule of `rollout.schedule` (static, least_loaded, histopipe, with `rollout.tier2` as the bench's
