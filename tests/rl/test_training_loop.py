@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rhymerl import cli
 from rhymerl.bench import e2e_bench, spec_bench
 from rhymerl.config import ConfigError, load_config
 from rhymerl.data.dataset import DatasetError
@@ -91,13 +92,25 @@ def test_batch_indices_cover_each_epoch_once():
     assert batch_indices(5, 4, 2, 3, True) == batch_indices(5, 4, 2, 3, True)
 
 
-def test_speculation_on_and_off_train_identically(tiny_dir, tmp_path):
-    """Fidelity: same seed, same rollouts, same rewards and losses, step after step (fp32)."""
+_UNINTERRUPTED = ("train.total_steps=4", "run.save_every=2", "val.every=2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dir, tmp_path_factory) -> dict[str, Path]:
+    """The run directories of one 4-step job (fp32, a checkpoint every 2 steps) trained with speculation off and
+    with HistoSpec drafting always (FLAT): the fidelity test compares the two, and the SIGKILL test's killed
+    and resumed run must repeat the HistoSpec one."""
+    out = tmp_path_factory.mktemp("uninterrupted")
     runs = {}
     for mode in ("off", "histospec"):
-        cfg = load_config(None, _overrides(tiny_dir, tmp_path / mode, f"rollout.speculative={mode}",
-                                           "train.total_steps=4", "val.every=2", "run.save_every=0"))
-        runs[mode] = read_metrics(TrainingRun(cfg, cost_model=FLAT).run())
+        cfg = load_config(None, _overrides(tiny_dir, out / mode, *_UNINTERRUPTED, f"rollout.speculative={mode}"))
+        runs[mode] = TrainingRun(cfg, cost_model=FLAT).run()
+    return runs
+
+
+def test_speculation_on_and_off_train_identically(uninterrupted):
+    """Fidelity: same seed, same rollouts, same rewards and losses, step after step (fp32)."""
+    runs = {mode: read_metrics(run_dir) for mode, run_dir in uninterrupted.items()}
     off, spec = _learned(runs["off"]), _learned(runs["histospec"])
     assert [r["step"] for r in off] == [0, 1, 2, 3, 4]
     assert off == spec  # every learned figure, bit for bit: rewards, lengths, losses, grad norms, entropy
@@ -106,8 +119,8 @@ def test_speculation_on_and_off_train_identically(tiny_dir, tmp_path):
     assert sum(r["rollout/spec_drafted"] for r in later) > 0  # the second epoch drafts from history
     # The length trace (HistoPipe's simulator replays it): every step's groups with their lengths, the same
     # with and without speculation; from the second epoch on, the history's predictions are scored.
-    trace = read_trace(tmp_path / "histospec")
-    assert trace == read_trace(tmp_path / "off")
+    trace = read_trace(uninterrupted["histospec"])
+    assert trace == read_trace(uninterrupted["off"])
     assert [row["step"] for row in trace] == [1, 2, 3, 4]
     assert all(len(row["groups"]) == 2 and all(len(g["lengths"]) == 3 for g in row["groups"]) for row in trace)
     lengths = {r["step"]: r["response_length/mean"] for r in off if "response_length/mean" in r}
@@ -120,11 +133,13 @@ def _train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rhymerl.cli", "train", *args]
 
 
-def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
-    common = ["train.total_steps=5", "run.save_every=2", "val.every=2", "rollout.speculative=histospec"]
+def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, uninterrupted, tmp_path):
+    """`rhymerl train` killed by SIGKILL after its step-2 checkpoint and resumed with `--resume` (both real
+    processes, HistoSpec drafting with the cost model the process measures) logs what the uninterrupted run
+    logs (the fixture's, in-process: in fp32 the tokens do not depend on what was drafted)."""
+    common = [*_UNINTERRUPTED, "rollout.speculative=histospec"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    full = tmp_path / "full"
-    subprocess.run(_train_cmd(*_overrides(tiny_dir, full, *common)), check=True, env=env, capture_output=True)
+    full = uninterrupted["histospec"]
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_train_cmd(*_overrides(tiny_dir, killed, *common)), env=env,
@@ -139,18 +154,18 @@ def test_sigkill_and_resume_repeat_the_uninterrupted_run(tiny_dir, tmp_path):
     ckpt = latest_checkpoint(killed)
     assert ckpt is not None
     ckpt_step = int(ckpt.name.split("_")[1])
-    assert 0 < ckpt_step < 5  # mid-run: the resume has steps left to do, and a checkpoint to start from
+    assert 0 < ckpt_step < 4  # mid-run: the resume has steps left to do, and a checkpoint to start from
     assert (ckpt / "histospec.json").exists()  # what HistoSpec learned, restored by the resume
     before = [r for r in read_metrics(killed) if r["step"] <= ckpt_step]  # timings included: not rewritten
     # (the checkpoint's own row may be missing: killed between the two, the resume writes it from the checkpoint)
     assert [r["step"] for r in before] in (list(range(ckpt_step + 1)), list(range(ckpt_step)))
     done = subprocess.run(_train_cmd("--resume", str(killed)), check=True, env=env, capture_output=True, text=True)
     # It started from that checkpoint: not from scratch, not after the end.
-    assert f"[train] resumed from {ckpt} at step {ckpt_step} of 5" in done.stderr
+    assert f"[train] resumed from {ckpt} at step {ckpt_step} of 4" in done.stderr
     assert read_metrics(killed)[:len(before)] == before  # the rows up to the checkpoint are the killed run's
 
     a, b = _learned(read_metrics(full)), _learned(read_metrics(killed))
-    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4]
     assert read_trace(killed) == read_trace(full)  # every step's lengths once, as uninterrupted
     assert a == b  # bit for bit (in fp32 whatever was drafted: the step times it measures steer HistoSpec too)
     # The final checkpoint is a Hugging Face directory that transformers loads, with the trained weights.
@@ -287,11 +302,13 @@ def test_countdown_task_and_too_long_prompts(tiny_dir, tmp_path):
         TrainingRun(load_config(None, [*base, f"run.output_dir={tmp_path / 'short'}", "data.max_prompt_length=5"]))
 
 
-def test_bad_config_names_the_key(tiny_dir, tmp_path):
+def test_bad_config_names_the_key(tiny_dir, tmp_path, capsys):
     with pytest.raises(ConfigError, match="rollout.temperature"):
         load_config(None, _overrides(tiny_dir, tmp_path, "rollout.temperature=-1"))
-    proc = subprocess.run(_train_cmd("rollout.num_generation=4"), capture_output=True, text=True)
-    assert proc.returncode == 2 and "rollout.num_generations" in proc.stderr
+    # through `rhymerl train`'s main, in-process (tests/test_cli_errors.py runs bad input through the real
+    # command in a subprocess)
+    assert cli.main(["train", "rollout.num_generation=4"]) == 2
+    assert "rollout.num_generations" in capsys.readouterr().err
 
 
 def test_lora_trains_adapters_only_and_resumes_exactly(tiny_dir, tmp_path):
