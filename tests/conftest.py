@@ -27,6 +27,16 @@ def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """One real local Ray cluster for the whole session (tests/ray_cluster.py), started by the first test that
+    asks for it. Ray is imported only then, so a session without Ray tests never imports it."""
+    from ray_cluster import local_cluster
+
+    with local_cluster(tmp_path_factory.mktemp("ray")):
+        yield
+
+
 def pytest_collection_modifyitems(items):
     # Anything using the real model is a real_model test, so `-m "not real_model"` deselects it.
     for item in items:

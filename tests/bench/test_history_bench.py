@@ -12,7 +12,6 @@ from rhymerl.bench import history_bench
 from rhymerl.bench.history_bench import sides, workload
 from rhymerl.bench.pipe_real import real_workload
 from rhymerl.cli import main
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
 
 

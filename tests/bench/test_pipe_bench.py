@@ -12,7 +12,6 @@ from rhymerl.cli import main
 from rhymerl.cost_model import CostModel
 from rhymerl.histopipe.plan import POLICIES
 from rhymerl.histopipe.predict import LengthPredictor
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import random_prompts, tiny_checkpoint
 
 # A step of n sequences costs a little more than one of 1: batching pays, as on a real machine.

@@ -13,7 +13,6 @@ from rhymerl.bench import workers_bench
 from rhymerl.cli import main
 from rhymerl.rollout import ray_pool
 from rhymerl.rollout.types import WorkerStats
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
 
 

@@ -21,7 +21,6 @@ from rhymerl.rl.group_assembly import GroupAssembly
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
 from rhymerl.rollout import RolloutGroup, RolloutResult, RolloutWorker, SamplingParams
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import FLAT, learned, one_step_off_overrides, train_rows, worker_config
 from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 

@@ -20,7 +20,6 @@ from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.losses import policy_loss, tis_weights
 from rhymerl.rl.trainer import PolicyTrainer
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import learned as _learned, one_step_off_overrides, train_rows as _train, worker_config
 from tiny_models import VOCAB, random_prompts, tiny_decoder, tiny_smol_checkpoint
 

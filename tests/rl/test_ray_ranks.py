@@ -9,13 +9,12 @@ import copy
 import torch
 
 from rhymerl.rl.ray_ranks import RayRankGroup
-from ray_cluster import cluster  # noqa: F401  (the fixture)
 from helpers import (UPDATE_MAX_LEN, UPDATE_TEMPERATURE, assert_metrics_close, flat_params, killed_rank_message,
                      one_process_updates, update_batches, update_cfg)
 from tiny_models import tiny_decoder
 
 
-def test_two_ray_rank_actors_update_as_one_process_and_a_killed_one_stops_them(cluster):  # noqa: F811
+def test_two_ray_rank_actors_update_as_one_process_and_a_killed_one_stops_them(cluster):
     cfg = update_cfg(strategy="fsdp", loss_type="dapo", beta=0.04)  # the KL term: the reference sharded too
     base = tiny_decoder()
     ref = tiny_decoder().eval().requires_grad_(False)

@@ -21,7 +21,6 @@ from rhymerl.history import HistoryStore
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.step_metrics import staleness_metrics
 from rhymerl.rollout import RolloutGroup, RolloutWorker, SamplingParams
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import learned as _learned, one_step_off_overrides, train_rows as _train, worker_config
 from tiny_models import random_prompts, tiny_decoder, tiny_smol_checkpoint
 

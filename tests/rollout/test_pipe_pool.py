@@ -24,7 +24,6 @@ from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingPara
 from rhymerl.rollout.ray_pool import RayPool
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rollout.timeline import read_timeline
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import one_step_off_overrides, train_rows, worker_config
 from tiny_models import random_prompts, stopping_checkpoint, tiny_smol_checkpoint
 

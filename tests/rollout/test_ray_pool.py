@@ -1,4 +1,4 @@
-"""The Ray rollout pool on a real local Ray cluster (one per module): the same outputs as the in-process pool,
+"""The Ray rollout pool on a real local Ray cluster (one per test session): the same outputs as the in-process pool,
 versioned weights, history shipped as slices, a killed worker replaced without changing the step's outputs."""
 
 import os
@@ -20,7 +20,6 @@ from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingPara
 from rhymerl.histopipe.plan import static_split
 from rhymerl.rollout.ray_pool import RayPool, worker_resources
 from rhymerl.rollout.types import WorkersFailed
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import worker_config
 from tiny_models import peaky_checkpoint, random_prompts
 

@@ -16,7 +16,6 @@ from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import LocalPool, RolloutGroup, RolloutWorker, SamplingParams
 from rhymerl.rollout import ray_pool
 from rhymerl.rollout.ray_pool import RayPool
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import worker_config
 from tiny_models import peaky_checkpoint, random_prompts
 

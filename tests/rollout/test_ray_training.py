@@ -1,4 +1,4 @@
-"""Training runs on Ray rollout workers, end to end on a real local Ray cluster (one per module) and a tiny
+"""Training runs on Ray rollout workers, end to end on a real local Ray cluster (one per test session) and a tiny
 random model in fp32: the same metrics as the in-process backend, a worker SIGKILLed mid-step now and then
 changing nothing, a resume with the same or another number of workers repeating the uninterrupted run, and a
 run whose last worker is dropped failing cleanly with its checkpoint intact."""
@@ -22,7 +22,6 @@ from rhymerl.metrics import read_metrics
 from rhymerl.rl.checkpoint import latest_checkpoint, load_checkpoint
 from rhymerl.rl.loop import TrainingRun
 from rhymerl.rollout.types import WorkersFailed
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from tiny_models import tiny_smol_checkpoint
 
 FLAT = CostModel([1, 64], [1, 64], [[1.0, 1.0], [1.0, 1.0]])  # drafting is free: always draft

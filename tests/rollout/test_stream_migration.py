@@ -18,7 +18,6 @@ from rhymerl.model.weights import load_decoder
 from rhymerl.rollout import RolloutGroup, SamplingParams
 from rhymerl.rollout.ray_pool import RayPool
 from rhymerl.rollout.ray_stream import RayStream
-from ray_cluster import cluster  # noqa: F401  (the module's local Ray cluster)
 from helpers import worker_config
 from tiny_models import random_prompts, stopping_checkpoint
 
