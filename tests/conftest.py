@@ -33,8 +33,8 @@ def cluster(tmp_path_factory):
     asks for it. Ray is imported only then, so a session without Ray tests never imports it."""
     from ray_cluster import local_cluster
 
-    with local_cluster(tmp_path_factory.mktemp("ray")):
-        yield
+    with local_cluster(tmp_path_factory.mktemp("ray")) as address:
+        yield address  # host:port, for a child process (`ray.address`)
 
 
 def pytest_collection_modifyitems(items):

@@ -13,7 +13,7 @@ import ray
 
 @contextmanager
 def local_cluster(temp: Path):
-    """A real local cluster (2 CPUs, a bounded object store), everything it writes under `temp`, a test's temp
+    """Its address (host:port, for a child process's `ray.address`): a real local cluster (2 CPUs, a bounded object store), everything it writes under `temp`, a test's temp
     folder: its session folder (`_temp_dir`; a short path, its socket paths must fit 108 bytes), and no token
     file (Ray 2.60 otherwise writes ~/.ray/auth_token when it starts a cluster:
     ray/_private/authentication/authentication_token_setup.py, enable_token_auth_by_default). A pool's own
@@ -22,10 +22,10 @@ def local_cluster(temp: Path):
     Started once per session rather than once per module: a start and a stop cost seconds each on 2 cores."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2,
-                 _temp_dir=str(temp), log_to_driver=False)
+        context = ray.init(address="local", num_cpus=2, include_dashboard=False,
+                           object_store_memory=100 * 1024**2, _temp_dir=str(temp), log_to_driver=False)
         try:
-            yield
+            yield context.address_info["gcs_address"]
         finally:
             ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

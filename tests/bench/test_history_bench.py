@@ -25,7 +25,7 @@ def test_history_on_and_off_train_the_same_run(cluster, tiny_dir, tmp_path, monk
     rc = main(["bench", "e2e", "--compare", "history", "--model", str(tiny_dir), "--dtype", "fp32",
                "--train-dtype", "bf16", "--num-prompts", "4", "--prompts-per-step", "2", "--num-generations", "4",
                "--max-completion-length", "12", "--slots", "2", "--epochs", "2", "--learning-rate", "0.01",
-               "--skip-steps", "2"])
+               "--skip-steps", "2", "--set", f"ray.address={cluster}"])  # each run a child process, on this cluster
     assert rc == 0
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
@@ -92,7 +92,7 @@ def test_the_stream_on_and_off_train_the_same_one_step_off_run(cluster, tiny_dir
     rc = main(["bench", "e2e", "--compare", "stream", "--mode", "one_step_off", "--model", str(tiny_dir),
                "--dtype", "fp32", "--num-prompts", "4", "--prompts-per-step", "2", "--num-generations", "4",
                "--max-completion-length", "12", "--slots", "2", "--epochs", "2", "--learning-rate", "0.01",
-               "--skip-steps", "2"])
+               "--skip-steps", "2", "--set", f"ray.address={cluster}"])  # each run a child process, on this cluster
     assert rc == 0
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])

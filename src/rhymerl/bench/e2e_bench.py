@@ -10,7 +10,6 @@ counted on either side. rhymerl's off and HistoSpec runs share the seed, so thei
 
 from __future__ import annotations
 
-import gc
 import statistics
 import tempfile
 from pathlib import Path
@@ -21,13 +20,13 @@ from rich.table import Table
 
 from rhymerl.bench.console import table_console
 from rhymerl.bench.progress import Progress
+from rhymerl.bench.training_process import train_in_process
 from rhymerl.bench.trl_baseline import TRL_DTYPES, run_trl_grpo
 from rhymerl.config import load_config
 from rhymerl.data.dataset import Example, builtin_examples
 from rhymerl.errors import UserError
 from rhymerl.metrics import read_metrics
 from rhymerl.model.fetch import resolve_model_dir
-from rhymerl.rl.loop import TrainingRun
 from rhymerl.rl.rewards import RewardScorer
 
 
@@ -44,11 +43,11 @@ def _summarise(step_s: list[float], rollout_s: list[float], rewards: list[float]
             "final_reward": round(statistics.mean(rewards[-steps_per_epoch:]), 4)}
 
 
+SPECULATION = ("off", "histospec")  # rhymerl's two runs (rollout.speculative)
+
+
 def run_rhymerl(overrides: list[str], out_dir: Path, steps_per_epoch: int) -> dict:
-    run = TrainingRun(load_config(None, overrides + [f"run.output_dir={out_dir}"]))
-    run_dir = run.run()  # which ends its Ray actors; the rest is collected before TRL's run
-    del run
-    gc.collect()
+    run_dir = train_in_process(overrides, out_dir)  # a process of its own: nothing of TRL's run in it
     rows = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
     # The final checkpoint is written inside the last step; TRL saves nothing, so it is not counted.
     step_s = [r["timing_s/step"] - r.get("timing_s/save", 0.0) for r in rows]
@@ -83,21 +82,27 @@ def _check(dtype: str, num_prompts: int, prompts_per_step: int, num_generations:
 def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, prompts_per_step: int = 2,
         num_generations: int = 4, max_completion_length: int = 128, micro_batch_size: int = 8,
         learning_rate: float = 1e-5, epochs: int = 3, temperature: float = 1.0, format_weight: float = 0.2,
-        seed: int = 0, skip_trl: bool = False) -> dict:
+        seed: int = 0, skip_trl: bool = False, overrides: list[str] = ()) -> dict:
+    """TRL's run (unless `skip_trl`), then rhymerl's off and HistoSpec runs, each in a process of its own; the
+    summary whose JSON is the bench's last line. `overrides`: config keys for both rhymerl runs."""
     _check(dtype, num_prompts, prompts_per_step, num_generations, micro_batch_size, skip_trl)
     steps_per_epoch = num_prompts // prompts_per_step
     steps = epochs * steps_per_epoch
     # progress: each run's steps are its units (the model fetch and TRL's start-up ride on them)
     progress = Progress("e2e", (0 if skip_trl else steps) + 2 * steps)
-    model_dir = resolve_model_dir(model)
-    common = [f"model.name={model_dir}", "data.task=arithmetic", f"data.num_train_prompts={num_prompts}",
+    common = ["data.task=arithmetic", f"data.num_train_prompts={num_prompts}",
               "val.every=0", f"train.prompts_per_step={prompts_per_step}", f"rollout.num_generations={num_generations}",
               f"rollout.max_completion_length={max_completion_length}", f"train.micro_batch_size={micro_batch_size}",
               f"train.learning_rate={learning_rate}", f"train.total_steps={steps}", f"train.dtype={dtype}",
               f"rollout.dtype={dtype}", f"rollout.temperature={temperature}", f"reward.format_weight={format_weight}",
               f"rollout.num_slots={prompts_per_step * num_generations}", f"run.seed={seed}", "run.save_every=0",
               "run.progress=false", "run.tensorboard=false",
-              "train.epsilon_high=0.28"]  # as the TRL side (run_trl_grpo's default), DAPO's clip-higher
+              "train.epsilon_high=0.28",  # as the TRL side (run_trl_grpo's default), DAPO's clip-higher
+              *overrides]
+    for mode in SPECULATION:  # a bad key or value fails here, before the model loads or a run starts
+        load_config(None, common + [f"rollout.speculative={mode}"])
+    model_dir = resolve_model_dir(model)
+    common.insert(0, f"model.name={model_dir}")
     # The runs' directories hold their final checkpoints (GBs for a real model) and no figure we report:
     # removed when the runs are done.
     with tempfile.TemporaryDirectory(prefix="rhymerl-e2e-") as tmp:
@@ -119,7 +124,7 @@ def run(model: str = "smollm2-135m", dtype: str = "fp32", num_prompts: int = 8, 
                                output_dir=work / "trl")
             results["trl"] = _summarise(trl.step_s, trl.rollout_s, trl.reward_mean, steps_per_epoch)
             results["trl"]["trl_version"] = trl.trl_version
-        for mode in ("off", "histospec"):
+        for mode in SPECULATION:
             progress.stage(f"rhymerl, speculative={mode}: {steps} steps (+ model load)", units=steps)
             results[mode] = run_rhymerl(common + [f"rollout.speculative={mode}"], work / mode, steps_per_epoch)
 

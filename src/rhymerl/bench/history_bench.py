@@ -37,7 +37,6 @@ the comparison with TRL.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import tempfile
 from pathlib import Path
@@ -49,12 +48,12 @@ from rich.table import Table
 from rhymerl.bench.console import table_console
 from rhymerl.bench.pipe_real import RECORDED, RHYMING, real_workload
 from rhymerl.bench.progress import Progress
+from rhymerl.bench.training_process import train_in_process
 from rhymerl.config import load_config
 from rhymerl.errors import UserError
 from rhymerl.metrics import read_metrics
 from rhymerl.model.fetch import resolve_model_dir
 from rhymerl.model.pretrained import resolve_dtype
-from rhymerl.rl.loop import TrainingRun
 
 HISTORY = {"on": ["rollout.speculative=histospec", "rollout.schedule=histopipe"],
            "off": ["rollout.speculative=off", "rollout.schedule=static"]}
@@ -116,14 +115,9 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 def run_side(overrides: list[str], out_dir: Path) -> list[dict]:
-    """One run of the job (the config `overrides`), its per-step figures. Nothing of it outlives the call:
-    `run` ends its Ray actors, and its model, optimizer and history are collected before the other side
-    starts (the first side's actors, 3.3 GB each, once lived on through the second and slowed it)."""
-    run = TrainingRun(load_config(None, overrides + [f"run.output_dir={out_dir}"]))
-    run_dir = run.run()
-    del run
-    gc.collect()
-    return _steps(run_dir)
+    """One run of the job (the config `overrides`) in a process of its own (`training_process`: nothing of
+    the other side's run is in it), its per-step figures."""
+    return _steps(train_in_process(overrides, out_dir))
 
 
 # The JSON line's `{side}_{name}`: the median of each per-step figure after the skipped steps

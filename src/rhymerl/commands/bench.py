@@ -66,12 +66,12 @@ def cmd_bench_e2e(args) -> int:
         return _report(history_bench, history_bench.run(
             args.model, args.dtype, args.workers, args.mode, args.learning_rate, args.skip_steps, args.seed,
             compare=args.compare, history=args.history, train_dtype=args.train_dtype, data=args.data,
-            num_slots=args.slots, max_draft_tokens=args.max_draft_tokens, **given))
+            num_slots=args.slots, max_draft_tokens=args.max_draft_tokens, overrides=args.overrides, **given))
     if args.train_dtype is not None:
         raise UserError("bench e2e --train-dtype: only with --compare history|stream (TRL and rhymerl share --dtype)")
     summary = e2e_bench.run(args.model, args.dtype, micro_batch_size=args.micro_batch_size,
                             learning_rate=args.learning_rate, format_weight=args.format_weight, seed=args.seed,
-                            skip_trl=args.skip_trl, **given)
+                            skip_trl=args.skip_trl, overrides=args.overrides, **given)
     return _report(e2e_bench, summary)
 
 
@@ -216,6 +216,9 @@ def add_parser(sub) -> None:
                          "fp32, 32 in bf16)")
     b2.add_argument("--skip-steps", type=int, default=2,
                     help="--compare history|stream: first steps left out of the medians (no history yet, start-up)")
+    b2.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override of every rhymerl run (repeatable), e.g. ray.address=HOST:PORT to run "
+                         "on a running cluster")
     b2.set_defaults(func=cmd_bench_e2e)
     bw = bsub.add_parser("workers", help="seconds per GRPO step: local 1 worker, Ray 1 worker, Ray 2 workers",
                          formatter_class=DefaultsHelp)
