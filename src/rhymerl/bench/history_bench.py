@@ -15,7 +15,7 @@ seconds per step over the first's.
 
 The job (`workload`) is, unless options say otherwise, part 1's rhyming real workload as `bench pipe --trace
 rhyming` rolls it out on real workers (`pipe_real.real_workload`, one definition): the `repeat` task's 12 prompts
-x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench's one call, for 4 epochs
+x 8 at T=0.6, at most 192 tokens, 12 slots a worker; one GRPO step is that bench's one call, for 6 epochs
 (HistoSpec's draft cap as a training run sets it on the machine). Each step's figures include the
 load-independent counts of where rollout time goes (forwards, tokens per sequence forward, prompt tokens
 computed, acceptance, migrations) beside the seconds of rollout, update and weight sync.
@@ -58,7 +58,9 @@ from rhymerl.model.pretrained import resolve_dtype
 HISTORY = {"on": ["rollout.speculative=histospec", "rollout.schedule=histopipe"],
            "off": ["rollout.speculative=off", "rollout.schedule=static"]}
 COMPARES = ("history", "stream")
-EPOCHS = 4  # part 1's prompts are one step: 4 steps, the last 2 (with history of 2 and 3 epochs) timed
+# Part 1's prompts are one step: 6 steps, the last 4 (with history of 2 to 5 epochs) timed. With 2 timed steps
+# one noisy step was half the figure: the same update's seconds vary by 20% from step to step on a 2-core VM.
+EPOCHS = 6
 
 
 def sides(compare: str, mode: str, history: str = "on") -> dict[str, list[str]]:

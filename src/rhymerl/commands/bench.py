@@ -186,7 +186,7 @@ def add_parser(sub) -> None:
                     help="sequences per forward/backward in the update")
     b2.add_argument("--learning-rate", type=float, default=1e-5, help="AdamW, constant")
     b2.add_argument("--epochs", type=positive_int, default=None,
-                    help="passes over the prompt set (default: 3; --compare history|stream: 4)")
+                    help="passes over the prompt set (default: 3; --compare history|stream: 6)")
     b2.add_argument("--temperature", type=float, default=None,
                     help="rollout sampling temperature (default: 1.0; --compare history|stream: part 1's 0.6)")
     b2.add_argument("--format-weight", type=float, default=0.2, help="reward = correctness + weight x format")
