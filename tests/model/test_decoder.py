@@ -67,3 +67,23 @@ def test_real_model_matches_transformers(smollm2_dir):
     ids = torch.tensor([[1, 504, 3458, 282, 1789, 314, 253, 1073, 30, 2]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_branch_attention_runs_in_fp32_under_cpu_autocast():
+    """Under bf16 autocast SDPA would run in bf16, whose CPU backward is ~3x slower than fp32's at the update's
+    shapes (notebook 2026-11-28-d): the branch attention keeps fp32 there, the same values as without autocast."""
+    from rhymerl.model.decoder import BranchAttention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, n = 6, 2, 16, 11  # one prompt of 5 tokens, two branches of 3
+    gather = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 8, 9, 10]])
+    scatter = torch.tensor(list(range(8)) + [8 + 5, 8 + 6, 8 + 7])
+    attention = BranchAttention(gather, scatter)
+    q = torch.randn(n, heads, dim, requires_grad=True)
+    kv = torch.randn(n, 2 * kv_heads, dim, requires_grad=True)
+    plain = attention.attend(None, q, kv)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = attention.attend(None, q, kv)
+    assert cast.dtype == torch.float32 and torch.equal(cast, plain)
+    cast.sum().backward()  # the backward runs too, in fp32
+    assert q.grad.dtype == torch.float32 and kv.grad.dtype == torch.float32

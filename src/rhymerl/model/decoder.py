@@ -238,7 +238,15 @@ class BranchAttention:
         qb = q.index_select(0, flat).view(g, length, *q.shape[1:]).transpose(1, 2)  # [G, H, L, D]
         kvb = kv.index_select(0, flat).view(g, length, *kv.shape[1:]).transpose(1, 2)  # [G, 2KV, L, D]
         k, v = kvb[:, :n_kv], kvb[:, n_kv:]
-        out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=qb.shape[1] != k.shape[1])
+        gqa = qb.shape[1] != k.shape[1]
+        if qb.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # Autocast would run SDPA in bf16, whose CPU backward is ~3x slower than the fp32 one at the update's
+            # shapes (16 branches, 9 heads, 149 positions: 39 ms vs 14 ms, Sapphire Rapids; notebook
+            # 2026-11-28-d): the attention runs in fp32 (as exact or more), its output cast by the next matmul.
+            with torch.autocast("cpu", enabled=False):
+                out = F.scaled_dot_product_attention(qb.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(g * length, q.shape[1], q.shape[2]).index_select(0, self.scatter)  # [N, H, D]
 
 
