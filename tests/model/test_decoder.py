@@ -87,3 +87,17 @@ def test_branch_attention_runs_in_fp32_under_cpu_autocast():
     assert cast.dtype == torch.float32 and torch.equal(cast, plain)
     cast.sum().backward()  # the backward runs too, in fp32
     assert q.grad.dtype == torch.float32 and kv.grad.dtype == torch.float32
+
+
+def test_the_dense_attention_runs_in_fp32_under_cpu_autocast():
+    from rhymerl.model.decoder import CausalAttention
+
+    torch.manual_seed(0)
+    b, s, heads, kv_heads, dim = 2, 5, 6, 2, 16
+    q, kv = torch.randn(b * s, heads, dim), torch.randn(b * s, 2 * kv_heads, dim)
+    for mask in (None, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])):
+        attention = CausalAttention(b, s, mask)
+        plain = attention.attend(None, q, kv)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = attention.attend(None, q, kv)
+        assert cast.dtype == torch.float32 and torch.equal(cast, plain)

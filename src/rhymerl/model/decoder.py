@@ -215,6 +215,17 @@ class Decoder(nn.Module):
         return logits.view(b, s, -1)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA for the training paths (`BranchAttention`, `CausalAttention`). Under CPU autocast SDPA would run in
+    bf16, whose CPU backward is 1.6-3x slower than the fp32 one at the update's shapes (16 branches, 9 heads, 149
+    positions: 32-45 ms vs 12-22 ms on Sapphire Rapids; docs/notebook/2026-11-28-d.md), so there it runs in fp32
+    (as exact or more), autocast off, its output cast by the next matmul. Elsewhere: SDPA as given."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class BranchAttention:
     """Causal self-attention for packed token trees of depth one: prompts each followed by several branches
     (a prompt's sampled completions), the layout training uses so that a prompt's tokens go through the
@@ -238,15 +249,7 @@ class BranchAttention:
         qb = q.index_select(0, flat).view(g, length, *q.shape[1:]).transpose(1, 2)  # [G, H, L, D]
         kvb = kv.index_select(0, flat).view(g, length, *kv.shape[1:]).transpose(1, 2)  # [G, 2KV, L, D]
         k, v = kvb[:, :n_kv], kvb[:, n_kv:]
-        gqa = qb.shape[1] != k.shape[1]
-        if qb.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # Autocast would run SDPA in bf16, whose CPU backward is ~3x slower than the fp32 one at the update's
-            # shapes (16 branches, 9 heads, 149 positions: 39 ms vs 14 ms, Sapphire Rapids; notebook
-            # 2026-11-28-d): the attention runs in fp32 (as exact or more), its output cast by the next matmul.
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(qb.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(qb, k, v, is_causal=True, enable_gqa=gqa)
+        out = _sdpa(qb, k, v, is_causal=True, enable_gqa=qb.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(g * length, q.shape[1], q.shape[2]).index_select(0, self.scatter)  # [N, H, D]
 
 
@@ -268,7 +271,7 @@ class CausalAttention:
         q, k, v = (t.reshape(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         if self.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = _sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+            out = _sdpa(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b * s, q.shape[1], q.shape[3])
